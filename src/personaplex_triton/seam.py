@@ -5,25 +5,12 @@ decoder state per conversation without relying on how Triton forwards sequence f
 through an ensemble.
 """
 
-from dataclasses import dataclass
-
-import numpy as np
-
 NUM_AGENT_CODEBOOKS = 8
 
 AGENT_CODES = "AGENT_CODES"        # INT64 [8], Mimi codebooks 0..7 of the agent, aligned for decoding
 CONVERSATION_ID = "CONVERSATION_ID"  # UINT64 [1], the sequence's correlation id
 FRAME_INDEX = "FRAME_INDEX"        # INT64 [1], 0 for the conversation's first frame (decoder reset)
 FINAL = "FINAL"                    # BOOL [1], true on the conversation's last frame (state freed)
+TEXT_PIECE = "TEXT_PIECE"          # BYTES [1], the frame's text, passed through to the client
 
 
-@dataclass
-class AgentFrame:
-    """One step of the talker: the agent's audio codes and text for 80 ms."""
-
-    conversation_id: int
-    frame_index: int
-    codes: np.ndarray  # int64 [8]
-    text_token: int
-    text_piece: str
-    final: bool = False

@@ -1,0 +1,35 @@
+# Every set-up step is here and idempotent: a second `make demo` reuses the venv and checkpoint.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CHECKPOINT := checkpoints/tiny
+export NO_TORCH_COMPILE := 1
+
+.PHONY: all venv checkpoint demo serve test clean
+
+all: test
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, from its pinned CPU build; then the project; moshi without its torch<2.10 pin.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps moshi==0.2.13
+	touch $@
+
+checkpoint: venv
+	$(PY) export/make_tiny_checkpoint.py --out $(CHECKPOINT)
+
+demo: checkpoint
+	$(PY) scripts/demo.py
+
+serve: venv $(if $(PERSONAPLEX_CHECKPOINT),,checkpoint)
+	$(PY) -m personaplex_triton.launch
+
+test: checkpoint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,24 @@
+"""Stage 1 on Triton: decoupled, one frame of agent codes in, 1920 PCM samples out."""
+
+from personaplex_triton import seam
+from personaplex_triton.serving import Code2WavService, checkpoint_spec, pick_device
+from personaplex_triton.triton_adapter import model_parameters, request_arrays, responder
+
+INPUTS = (seam.AGENT_CODES, seam.CONVERSATION_ID, seam.FRAME_INDEX, seam.FINAL, seam.TEXT_PIECE)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        self.service = Code2WavService(
+            checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
+            pick_device(params.get("device", "auto")))
+
+    def execute(self, requests):
+        for request in requests:
+            send, finish = responder(request)
+            self.service.handle(request_arrays(request, INPUTS), send, finish)
+        return None
+
+    def finalize(self):
+        self.service.close()

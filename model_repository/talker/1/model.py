@@ -1,0 +1,26 @@
+"""Stage 0 on Triton: decoupled, one response (agent codes + text) per input frame."""
+
+from personaplex_triton import contract
+from personaplex_triton.serving import TalkerService, checkpoint_spec, pick_device
+from personaplex_triton.triton_adapter import model_parameters, request_arrays, responder, sequence_flags
+
+INPUTS = (contract.AUDIO_IN, *contract.PERSONA_INPUTS)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        self.service = TalkerService(
+            checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
+            pick_device(params.get("device", "auto")), float(params["idle_timeout_s"]))
+
+    def execute(self, requests):
+        for request in requests:
+            start, end = sequence_flags(request)
+            send, finish = responder(request)
+            self.service.handle(int(request.correlation_id()), start, end,
+                                request_arrays(request, INPUTS), send, finish)
+        return None
+
+    def finalize(self):
+        self.service.close()

@@ -1,0 +1,95 @@
+"""Personas: a voice prompt and a role (system) prompt, turned into PersonaPlex's prefill.
+
+Prefill, one model step per frame, the user's stream always `SINE_TOKENS`:
+voice prompt (agent = the voice's Mimi codes, text = pad), 0.5 s of silence, the system
+prompt (one text token per frame, agent = silence), 0.5 s of silence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import audio, loaders
+from .contract import FRAME_SAMPLES, SAMPLE_RATE
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """A voice as PersonaPlex ships it: a `.pt` bundle or a WAV file.
+
+    bundle: `embeddings` [N-1, 1, 1, dim] (summed input embeddings of voice-prompt steps
+    1..N-1) and `cache` [1, 17, ring] (the token ring buffer after them). wav: the frames
+    [N, 1920], loudness-normalised, Mimi-encoded as they are played.
+    """
+
+    name: str
+    embeddings: torch.Tensor | None = None
+    cache: torch.Tensor | None = None
+    frames: np.ndarray | None = None
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frames) if self.frames is not None else len(self.embeddings) + 1
+
+
+def load_voice(path: Path) -> VoicePrompt:
+    if path.suffix == ".pt":
+        bundle = torch.load(path, map_location="cpu", weights_only=True)
+        embeddings, cache = bundle["embeddings"], bundle["cache"]
+        if embeddings.dim() != 4 or cache.dim() != 3:
+            raise loaders.CheckpointError(f"{path}: not a PersonaPlex voice bundle")
+        return VoicePrompt(path.stem, embeddings=embeddings.float(), cache=cache[0].long())
+    pcm = audio.read_wav(path, SAMPLE_RATE)
+    pcm = audio.loudness_normalize(pcm, SAMPLE_RATE, loaders.VOICE_PROMPT_LUFS)
+    return VoicePrompt(path.stem, frames=audio.split_frames(pcm.astype(np.float32), FRAME_SAMPLES))
+
+
+def wrap_system_prompt(text: str) -> str:
+    cleaned = text.strip()
+    tag = loaders.SYSTEM_TAG
+    if cleaned.startswith(tag) and cleaned.endswith(tag) and len(cleaned) > len(tag):
+        return cleaned
+    return f"{tag} {cleaned} {tag}"
+
+
+def system_prompt_tokens(tokenizer, text: str) -> tuple[int, ...]:
+    """The prompt's text tokens; an empty prompt prefills no text (the reference crashes)."""
+    if not text.strip():
+        return ()
+    return tuple(tokenizer.encode(wrap_system_prompt(text)))
+
+
+@dataclass(frozen=True)
+class Persona:
+    voice: VoicePrompt
+    text_tokens: tuple[int, ...]
+
+    @property
+    def prefill_steps(self) -> int:
+        return self.voice.num_frames + 2 * loaders.PREFILL_SILENCE_FRAMES + len(self.text_tokens)
+
+
+class PersonaLibrary:
+    """The voices of a checkpoint (loaded once each) and the tokenizer for role prompts."""
+
+    def __init__(self, files: loaders.CheckpointFiles, tokenizer):
+        self.files = files
+        self.tokenizer = tokenizer
+        self._voices: dict[Path, VoicePrompt] = {}
+        names = files.voice_names()
+        if not names:
+            raise loaders.CheckpointError(f"checkpoint {files.root} has no voices")
+        self.default_voice = names[0]
+
+    def voice(self, name: str | None) -> VoicePrompt:
+        path = self.files.voice_path(name or self.default_voice)
+        if path not in self._voices:
+            self._voices[path] = load_voice(path)
+        return self._voices[path]
+
+    def persona(self, voice: str | None, text_prompt: str) -> Persona:
+        return Persona(self.voice(voice), system_prompt_tokens(self.tokenizer, text_prompt))

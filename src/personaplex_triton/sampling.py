@@ -1,0 +1,100 @@
+"""Per-conversation token sampling for a batch of conversation slots.
+
+Each row draws its randomness from a counter-based hash of (seed, step, channel, rank), so a
+conversation's samples depend only on its own seed and position, never on the other rows of
+the batch or on how many draws happened before: no shared generator state, nothing that a
+CUDA graph could not capture. Sampling is PersonaPlex's: temperature, top-k, then one draw
+from the renormalised distribution (as an exponential race, like moshi's `multinomial`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import loaders
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def uniform(seed: torch.Tensor, step: torch.Tensor, channel: int, n: int) -> torch.Tensor:
+    """[B, n] floats in (0, 1), a pure function of (seed[b], step[b], channel, column)."""
+    h = _fmix32(seed & _MASK32)
+    h = _fmix32(h ^ ((seed >> 32) & _MASK32))
+    h = _fmix32(h ^ (step & _MASK32))
+    h = _fmix32(h ^ channel)
+    col = torch.arange(n, device=seed.device, dtype=torch.long)
+    h = _fmix32(h[:, None] ^ col[None, :])
+    return (h.to(torch.float64) + 0.5) / 2.0**32
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one conversation (PersonaPlex's defaults)."""
+
+    seed: int = 0
+    greedy: bool = False
+    temperature: float = loaders.TEMPERATURE
+    temperature_text: float = loaders.TEMPERATURE_TEXT
+    top_k: int = loaders.TOP_K
+    top_k_text: int = loaders.TOP_K_TEXT
+
+    def validate(self) -> None:
+        if not self.greedy:
+            if not self.temperature > 0 or not self.temperature_text > 0:
+                raise ValueError("temperatures must be > 0 (use GREEDY for argmax)")
+            if self.top_k < 1 or self.top_k_text < 1:
+                raise ValueError("top-k values must be >= 1")
+
+
+class SlotSampling:
+    """The sampling settings of every slot, as tensors, for batched sampling."""
+
+    def __init__(self, num_slots: int, device):
+        self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.greedy = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(num_slots, device=device)
+        self.temperature_text = torch.ones(num_slots, device=device)
+        self.top_k = torch.ones(num_slots, dtype=torch.long, device=device)
+        self.top_k_text = torch.ones(num_slots, dtype=torch.long, device=device)
+
+    def set(self, slot: int, params: SamplingParams) -> None:
+        self.seed[slot] = params.seed & ((1 << 63) - 1)
+        self.greedy[slot] = params.greedy
+        self.temperature[slot] = params.temperature
+        self.temperature_text[slot] = params.temperature_text
+        self.top_k[slot] = params.top_k
+        self.top_k_text[slot] = params.top_k_text
+
+
+def sample(
+    logits: torch.Tensor,
+    greedy: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+    channel: int,
+    max_top_k: int,
+) -> torch.Tensor:
+    """One token per row of logits [B, V]; every argument but the last two is per row."""
+    logits = logits.float()
+    argmax = logits.argmax(dim=-1)
+    k = min(max_top_k, logits.shape[-1])
+    top_logits, top_index = (logits / temperature[:, None]).topk(k, dim=-1)
+    probs = torch.softmax(top_logits, dim=-1)
+    ranks = torch.arange(k, device=logits.device)
+    probs = torch.where(ranks[None, :] < top_k[:, None], probs, torch.zeros_like(probs))
+    race = probs / -torch.log(uniform(seed, step, channel, k)).float()
+    drawn = top_index.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    return torch.where(greedy, argmax, drawn)

@@ -1,0 +1,214 @@
+"""The two stages as Triton sees them: numpy tensors in, numpy tensors out, per request.
+
+The `model.py` files only move tensors between Triton and these services, so everything
+here is tested without a server. A service answers through two callbacks per request:
+`send(outputs)` once per frame, in order, and `finish(error)` once at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import contract, loaders, seam
+from .engine import ConversationError, SlotEngine
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[dict], None]
+Finish = Callable[[str | None], None]
+
+CHECKPOINT_ENV = "PERSONAPLEX_CHECKPOINT"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny"
+
+
+class InputError(ValueError):
+    """A request that breaks the wire contract; the message names the problem."""
+
+
+def checkpoint_spec(configured: str = "") -> str:
+    """The checkpoint to serve: the model config's value, else $PERSONAPLEX_CHECKPOINT, else
+    the generated development checkpoint of this repository."""
+    return configured or os.environ.get(CHECKPOINT_ENV) or str(DEFAULT_CHECKPOINT)
+
+
+def pick_device(configured: str = "auto") -> str:
+    import torch
+
+    if configured and configured != "auto":
+        return configured
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def audio_frames(audio: np.ndarray | None) -> np.ndarray:
+    """AUDIO_IN -> [n, FRAME_SAMPLES] float32, or InputError saying what is wrong."""
+    if audio is None:
+        raise InputError(f"missing input {contract.AUDIO_IN}")
+    if audio.dtype != np.float32:
+        raise InputError(f"{contract.AUDIO_IN} must be FP32, got {audio.dtype}")
+    if audio.ndim != 1:
+        raise InputError(f"{contract.AUDIO_IN} must be 1-D, got shape {list(audio.shape)}")
+    if audio.size % contract.FRAME_SAMPLES:
+        raise InputError(
+            f"{contract.AUDIO_IN} must hold a whole number of {contract.FRAME_SAMPLES}-sample frames, "
+            f"got {audio.size} samples")
+    if not np.isfinite(audio).all():
+        raise InputError(f"{contract.AUDIO_IN} holds NaN or infinite samples")
+    if audio.size and np.abs(audio).max() > 1.0:
+        raise InputError(f"{contract.AUDIO_IN} samples must lie in [-1, 1], got peak {np.abs(audio).max():.3g}")
+    return audio.reshape(-1, contract.FRAME_SAMPLES)
+
+
+def _scalar(arrays: dict, name: str, kind: type):
+    value = arrays.get(name)
+    if value is None:
+        return None
+    if value.size != 1:
+        raise InputError(f"{name} must hold one value, got shape {list(value.shape)}")
+    value = value.reshape(-1)[0]
+    if kind is str:
+        if not isinstance(value, (bytes, np.bytes_, str)):
+            raise InputError(f"{name} must be BYTES")
+        try:
+            return value.decode("utf-8") if isinstance(value, (bytes, np.bytes_)) else str(value)
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{name} is not valid UTF-8") from exc
+    return kind(value)
+
+
+def sampling_params(arrays: dict) -> SamplingParams:
+    params = SamplingParams()
+    for name, attr, kind in ((contract.SEED, "seed", int), (contract.GREEDY, "greedy", bool),
+                             (contract.TEMPERATURE, "temperature", float),
+                             (contract.TEMPERATURE_TEXT, "temperature_text", float),
+                             (contract.TOP_K, "top_k", int), (contract.TOP_K_TEXT, "top_k_text", int)):
+        value = _scalar(arrays, name, kind)
+        if value is not None:
+            setattr(params, attr, value)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    return params
+
+
+class TalkerService:
+    """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame."""
+
+    def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu",
+                 idle_timeout_s: float = 60.0):
+        from .persona import PersonaLibrary
+        from .talker import Talker
+
+        files = loaders.resolve_checkpoint(checkpoint)
+        lm = loaders.get_lm(files, device)
+        mimi = loaders.get_mimi(files, device)
+        tokenizer = loaders.get_tokenizer(files)
+        self.talker = Talker(lm, mimi, tokenizer, max_conversations)
+        self.personas = PersonaLibrary(files, tokenizer)
+        self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s)
+        self._frame_index: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish) -> None:
+        try:
+            frames = audio_frames(arrays.get(contract.AUDIO_IN))
+            if start:
+                self.engine.open(conversation, self._setup(arrays))
+                with self._lock:
+                    self._frame_index[conversation] = 0
+            elif any(name in arrays for name in contract.PERSONA_INPUTS):
+                raise InputError(f"persona inputs ({', '.join(contract.PERSONA_INPUTS)}) are only "
+                                 "accepted on the sequence-start request")
+        except (InputError, ConversationError) as exc:
+            if end and not start and self.engine.is_open(conversation):
+                self.engine.submit(conversation, [], None, lambda _: None, close=True)
+            finish(str(exc))
+            return
+        last = len(frames) - 1
+
+        def on_output(step, counter=iter(range(len(frames)))):
+            i = next(counter)
+            with self._lock:
+                index = self._frame_index[conversation]
+                self._frame_index[conversation] = index + 1
+            send({
+                seam.AGENT_CODES: step.codes.astype(np.int64),
+                seam.CONVERSATION_ID: np.array([conversation], dtype=np.uint64),
+                seam.FRAME_INDEX: np.array([index], dtype=np.int64),
+                seam.FINAL: np.array([end and i == last], dtype=bool),
+                seam.TEXT_PIECE: np.array([self.talker.text_piece(step.text_token).encode()], dtype=np.object_),
+            })
+
+        def on_done(error):
+            if end or error:
+                with self._lock:
+                    self._frame_index.pop(conversation, None)
+            finish(error)
+
+        try:
+            self.engine.submit(conversation, list(frames), on_output, on_done, close=end)
+        except ConversationError as exc:
+            finish(str(exc))
+
+    def _setup(self, arrays: dict):
+        from .talker import TalkerSetup
+
+        voice = _scalar(arrays, contract.VOICE, str)
+        prompt = _scalar(arrays, contract.TEXT_PROMPT, str) or ""
+        try:
+            persona = self.personas.persona(voice, prompt)
+        except loaders.CheckpointError as exc:
+            raise InputError(str(exc)) from exc
+        return TalkerSetup(persona, sampling_params(arrays))
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.talker.close()
+
+
+class Code2WavService:
+    """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out."""
+
+    def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu"):
+        from .code2wav import Code2Wav
+
+        files = loaders.resolve_checkpoint(checkpoint)
+        self.decoder = Code2Wav(loaders.get_mimi(files, device), max_conversations)
+        # Its conversations end when the talker says so (FINAL), or get replaced once idle.
+        self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0)
+
+    def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
+        try:
+            codes = arrays.get(seam.AGENT_CODES)
+            if codes is None or codes.shape != (seam.NUM_AGENT_CODEBOOKS,) or codes.dtype != np.int64:
+                raise InputError(f"{seam.AGENT_CODES} must be INT64 [{seam.NUM_AGENT_CODEBOOKS}]")
+            if codes.min() < 0 or codes.max() >= 2048:
+                raise InputError(f"{seam.AGENT_CODES} must lie in [0, 2048)")
+            conversation = int(_scalar(arrays, seam.CONVERSATION_ID, int))
+            frame_index = int(_scalar(arrays, seam.FRAME_INDEX, int))
+            final = bool(_scalar(arrays, seam.FINAL, bool))
+            text = arrays.get(seam.TEXT_PIECE)
+            if frame_index == 0:
+                self.engine.open(conversation, None, restart=True)
+        except (InputError, ConversationError, TypeError) as exc:
+            finish(str(exc))
+            return
+        text_out = np.array([b""], dtype=np.object_) if text is None else text.reshape(1)
+
+        def on_output(pcm):
+            send({contract.AUDIO_OUT: pcm.astype(np.float32), contract.TEXT_OUT: text_out})
+
+        try:
+            self.engine.submit(conversation, [codes], on_output, finish, close=final)
+        except ConversationError as exc:
+            finish(str(exc))
+
+    def close(self) -> None:
+        self.engine.shutdown()

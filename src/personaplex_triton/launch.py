@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -77,6 +78,55 @@ def wait_ready(http_port: int, process: subprocess.Popen | None = None, timeout_
             pass
         time.sleep(0.25)
     raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+class TritonServer:
+    """A `tritonserver` child process for the lifetime of a `with` block, on free ports.
+
+    `ready_s` is the time from launch to ready; the server's output goes to `log_path`.
+    """
+
+    def __init__(self, model_repository: Path = MODEL_REPOSITORY, env: dict | None = None,
+                 log_path: Path | None = None, timeout_s: float = 600):
+        self.model_repository = model_repository
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.extra_env = env or {}
+        self.log_path = log_path
+        self.timeout_s = timeout_s
+        self.ready_s: float | None = None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    def __enter__(self) -> "TritonServer":
+        argv, env = command(self.model_repository, self.http_port, self.grpc_port, self.metrics_port)
+        env.update(self.extra_env)
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        try:
+            self.ready_s = wait_ready(self.http_port, self.process, self.timeout_s)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def main(argv=None) -> int:

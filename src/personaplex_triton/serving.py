@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 from pathlib import Path
 from typing import Callable
@@ -83,7 +84,8 @@ def _scalar(arrays: dict, name: str, kind: type):
 
 
 def sampling_params(arrays: dict) -> SamplingParams:
-    params = SamplingParams()
+    """The start request's sampling inputs; without SEED, a fresh random seed."""
+    params = SamplingParams(seed=secrets.randbits(63))
     for name, attr, kind in ((contract.SEED, "seed", int), (contract.GREEDY, "greedy", bool),
                              (contract.TEMPERATURE, "temperature", float),
                              (contract.TEMPERATURE_TEXT, "temperature_text", float),

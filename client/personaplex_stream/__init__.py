@@ -1,0 +1,43 @@
+"""personaplex_stream: a light client (numpy + tritonclient, no torch) that streams a
+conversation to PersonaPlex served on Triton Inference Server.
+
+    from personaplex_stream import Persona, stream_conversation
+    from personaplex_triton.audio import read_wav, write_wav
+
+    result = stream_conversation(read_wav("user.wav"), url="localhost:8001",
+                                 persona=Persona(voice="NATF0", text_prompt="You are ..."))
+    write_wav("agent.wav", result.audio)
+    print(result.text, result.summary())
+"""
+
+from .stream import (
+    DEFAULT_URL,
+    ConversationResult,
+    Persona,
+    ProtocolError,
+    ServerError,
+    ServerUnreachableError,
+    StreamError,
+    StreamTimeoutError,
+    build_persona_inputs,
+    build_request_inputs,
+    latency_percentiles,
+    new_sequence_id,
+    stream_conversation,
+)
+
+__all__ = [
+    "DEFAULT_URL",
+    "ConversationResult",
+    "Persona",
+    "ProtocolError",
+    "ServerError",
+    "ServerUnreachableError",
+    "StreamError",
+    "StreamTimeoutError",
+    "build_persona_inputs",
+    "build_request_inputs",
+    "latency_percentiles",
+    "new_sequence_id",
+    "stream_conversation",
+]

@@ -1,0 +1,487 @@
+"""Stream one PersonaPlex conversation to Triton over a gRPC bidirectional stream.
+
+One conversation is one Triton sequence: every 80 ms frame of user audio (1920 samples
+of 24 kHz mono float32) is one request on the stream, carrying the sequence id, with
+`sequence_start` on the first request and `sequence_end` on the last. The persona
+options travel only on the first request. The server answers each request with one
+response holding the agent's 80 ms of audio (AUDIO_OUT) and text piece (TEXT_OUT), in
+order; with `enable_empty_final_response` it may also send flag-only "final" responses,
+which carry no outputs and are skipped here.
+
+Only numpy, tritonclient and `personaplex_triton.contract` / `.audio` are imported: no
+torch.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from personaplex_triton import contract
+from personaplex_triton.audio import split_frames
+
+__all__ = [
+    "DEFAULT_URL",
+    "Persona",
+    "ConversationResult",
+    "StreamError",
+    "ServerUnreachableError",
+    "ServerError",
+    "StreamTimeoutError",
+    "ProtocolError",
+    "stream_conversation",
+    "new_sequence_id",
+    "latency_percentiles",
+    "build_persona_inputs",
+    "build_request_inputs",
+]
+
+DEFAULT_URL = "localhost:8001"
+FRAME_SECONDS = contract.FRAME_SAMPLES / contract.SAMPLE_RATE  # 0.08
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class StreamError(RuntimeError):
+    """Base class of the errors raised while streaming a conversation."""
+
+
+class ServerUnreachableError(StreamError):
+    """The Triton server could not be reached at the given url."""
+
+
+class ServerError(StreamError):
+    """The server answered with an error (its message is the exception's message)."""
+
+
+class StreamTimeoutError(StreamError):
+    """The server stopped answering: no response within the timeout."""
+
+
+class ProtocolError(StreamError):
+    """The server's responses do not follow the wire contract."""
+
+
+# ----------------------------------------------------------------------------- persona
+
+
+@dataclass
+class Persona:
+    """Persona options of a conversation; `None` fields are not sent (server defaults).
+
+    voice: a voice name of the checkpoint, e.g. "NATF0"; text_prompt: the role prompt;
+    seed: sampling seed; greedy: argmax instead of sampling; temperature / top_k: audio
+    sampling; temperature_text / top_k_text: text sampling.
+    """
+
+    voice: Optional[str] = None
+    text_prompt: Optional[str] = None
+    seed: Optional[int] = None
+    greedy: Optional[bool] = None
+    temperature: Optional[float] = None
+    temperature_text: Optional[float] = None
+    top_k: Optional[int] = None
+    top_k_text: Optional[int] = None
+
+
+def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(value.shape), datatype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def build_persona_inputs(persona: Optional[Persona]) -> list:
+    """The persona InferInputs of the first request: one [1] tensor per given field."""
+    if persona is None:
+        return []
+    inputs = []
+    if persona.voice is not None:
+        inputs.append(_tensor(contract.VOICE, np.array([persona.voice.encode("utf-8")], dtype=np.object_), "BYTES"))
+    if persona.text_prompt is not None:
+        inputs.append(
+            _tensor(contract.TEXT_PROMPT, np.array([persona.text_prompt.encode("utf-8")], dtype=np.object_), "BYTES")
+        )
+    if persona.seed is not None:
+        inputs.append(_tensor(contract.SEED, np.array([int(persona.seed)], dtype=np.int64), "INT64"))
+    if persona.greedy is not None:
+        inputs.append(_tensor(contract.GREEDY, np.array([bool(persona.greedy)], dtype=np.bool_), "BOOL"))
+    if persona.temperature is not None:
+        inputs.append(_tensor(contract.TEMPERATURE, np.array([persona.temperature], dtype=np.float32), "FP32"))
+    if persona.temperature_text is not None:
+        inputs.append(
+            _tensor(contract.TEMPERATURE_TEXT, np.array([persona.temperature_text], dtype=np.float32), "FP32")
+        )
+    if persona.top_k is not None:
+        inputs.append(_tensor(contract.TOP_K, np.array([int(persona.top_k)], dtype=np.int32), "INT32"))
+    if persona.top_k_text is not None:
+        inputs.append(_tensor(contract.TOP_K_TEXT, np.array([int(persona.top_k_text)], dtype=np.int32), "INT32"))
+    return inputs
+
+
+def build_request_inputs(frame: np.ndarray, persona: Optional[Persona] = None, first: bool = False) -> list:
+    """The InferInputs of one request: AUDIO_IN FP32 [1920], plus the persona if `first`."""
+    frame = np.ascontiguousarray(frame, dtype=np.float32).reshape(-1)
+    if frame.size != contract.FRAME_SAMPLES:
+        raise ValueError(f"a frame has {contract.FRAME_SAMPLES} samples, got {frame.size}")
+    inputs = [_tensor(contract.AUDIO_IN, frame, "FP32")]
+    if first:
+        inputs.extend(build_persona_inputs(persona))
+    return inputs
+
+
+def new_sequence_id() -> int:
+    """A random nonzero 63-bit sequence id (fits Triton's int64 sequence_id parameter)."""
+    while True:
+        sid = secrets.randbits(63)
+        if sid != 0:
+            return sid
+
+
+# ----------------------------------------------------------------------------- result
+
+
+def latency_percentiles(latencies_ms: Sequence[float]) -> tuple[Optional[float], Optional[float]]:
+    """(p50, p95) of the latencies in ms (linear interpolation), or (None, None) if empty."""
+    if len(latencies_ms) == 0:
+        return None, None
+    p50, p95 = np.percentile(np.asarray(latencies_ms, dtype=np.float64), [50, 95])
+    return float(p50), float(p95)
+
+
+@dataclass
+class ConversationResult:
+    """What came back from one conversation.
+
+    audio: the agent's audio, float32 24 kHz mono, the frames concatenated
+    (frames_received * 1920 samples, which is frames_sent * 1920 on success).
+    text_pieces: the TEXT_OUT piece of each frame ("" where the agent said nothing).
+    latencies_ms: per frame, receive time of response i minus send time of frame i.
+    first_audio_ms: time from the first send to the first response.
+    wall_s: time from the first send to the last response.
+    """
+
+    audio: np.ndarray
+    text_pieces: list
+    sequence_id: int
+    frames_sent: int
+    frames_received: int
+    first_audio_ms: Optional[float]
+    latencies_ms: list = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def text(self) -> str:
+        """The transcript of the agent: the text pieces joined."""
+        return "".join(self.text_pieces)
+
+    @property
+    def latency_ms_p50(self) -> Optional[float]:
+        return latency_percentiles(self.latencies_ms)[0]
+
+    @property
+    def latency_ms_p95(self) -> Optional[float]:
+        return latency_percentiles(self.latencies_ms)[1]
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio.size / contract.SAMPLE_RATE
+
+    def summary(self) -> dict:
+        """JSON-ready figures of the conversation (floats rounded, None where unknown)."""
+
+        def r(x, nd=2):
+            return None if x is None else round(float(x), nd)
+
+        p50, p95 = latency_percentiles(self.latencies_ms)
+        return {
+            "sequence_id": self.sequence_id,
+            "frames_sent": self.frames_sent,
+            "frames_received": self.frames_received,
+            "audio_seconds": r(self.audio_seconds, 3),
+            "wall_s": r(self.wall_s, 3),
+            "first_audio_ms": r(self.first_audio_ms),
+            "latency_ms_p50": r(p50),
+            "latency_ms_p95": r(p95),
+            "latency_ms_max": r(max(self.latencies_ms)) if self.latencies_ms else None,
+            "text": self.text,
+        }
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def _strip_scheme(url: str) -> str:
+    for scheme in ("grpc://", "http://", "https://"):
+        if url.startswith(scheme):
+            return url[len(scheme) :]
+    return url
+
+
+def _error_text(error) -> str:
+    if isinstance(error, InferenceServerException):
+        return error.message() or str(error)
+    return str(error)
+
+
+def _is_unavailable(error) -> bool:
+    status = error.status() if isinstance(error, InferenceServerException) else None
+    return status is not None and "UNAVAILABLE" in str(status)
+
+
+def _has_final_flag(response) -> bool:
+    param = response.parameters.get("triton_final_response")
+    return param is not None and bool(param.bool_param)
+
+
+def _decode_text(arr) -> str:
+    if arr is None or arr.size == 0:
+        return ""
+    value = arr.reshape(-1)[0]
+    if isinstance(value, (bytes, bytearray, np.bytes_)):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)
+
+
+def stream_conversation(
+    audio: np.ndarray,
+    url: str = DEFAULT_URL,
+    model_name: str = contract.MODEL_NAME,
+    persona: Optional[Persona] = None,
+    *,
+    sequence_id: Optional[int] = None,
+    realtime: bool = False,
+    max_in_flight: int = 8,
+    response_timeout_s: float = 60.0,
+    connect_timeout_s: float = 10.0,
+    check_ready: bool = True,
+    on_progress: Optional[Callable[[int, int], None]] = None,
+) -> ConversationResult:
+    """Run one conversation: stream `audio` frame by frame and collect the agent's answer.
+
+    audio: float32 mono at 24 kHz (read other files with `personaplex_triton.audio.read_wav`);
+        it is cut into 1920-sample frames, the last one zero-padded.
+    url: Triton's gRPC endpoint "host:port". model_name: the model to call ("ensemble").
+    persona: options sent on the first request only; None sends none.
+    sequence_id: the Triton sequence id; a random nonzero 63-bit id when None.
+    realtime: pace the sends at one frame per 80 ms on an absolute schedule (as a live
+        microphone would), regardless of how fast the server answers. Otherwise send as
+        fast as the server answers, with at most `max_in_flight` frames unanswered.
+    response_timeout_s: raise StreamTimeoutError when frames are outstanding and no
+        response came for this long.
+    connect_timeout_s: deadline of the liveness / readiness check made before streaming
+        (skipped when `check_ready` is False).
+    on_progress: called as on_progress(frames_received, frames_total) after each response,
+        on the calling thread.
+
+    Raises ServerUnreachableError, ServerError (with the server's message),
+    StreamTimeoutError, ProtocolError, or ValueError for empty audio. The stream is
+    stopped and the client closed in every case.
+    """
+    frames = split_frames(np.asarray(audio, dtype=np.float32).reshape(-1), contract.FRAME_SAMPLES)
+    n = frames.shape[0]
+    if n == 0:
+        raise ValueError("no audio to stream (0 samples)")
+    if max_in_flight < 1:
+        raise ValueError("max_in_flight must be at least 1")
+    if sequence_id is None:
+        sequence_id = new_sequence_id()
+    if not (0 < int(sequence_id) < 2**63):
+        raise ValueError("sequence_id must be in [1, 2**63)")
+    sequence_id = int(sequence_id)
+    url = _strip_scheme(url)
+
+    responses: "queue.Queue[tuple]" = queue.Queue()
+
+    def callback(result, error):
+        # Runs on tritonclient's stream thread: only timestamp and hand over.
+        responses.put((time.perf_counter(), result, error))
+
+    try:
+        client = grpcclient.InferenceServerClient(url=url)
+    except InferenceServerException as exc:
+        raise ServerUnreachableError(f"cannot connect to Triton at {url}: {_error_text(exc)}") from None
+
+    outputs = [grpcclient.InferRequestedOutput(contract.AUDIO_OUT), grpcclient.InferRequestedOutput(contract.TEXT_OUT)]
+    send_times = [0.0] * n
+    latencies_ms: list = []
+    audio_out = np.zeros((n, contract.FRAME_SAMPLES), dtype=np.float32)
+    text_pieces: list = []
+    state = {"received": 0, "last_event": 0.0}
+    first_send = None
+    last_recv = None
+    ok = False
+    stream_started = False
+
+    def handle(item) -> None:
+        nonlocal last_recv
+        t_recv, result, error = item
+        if error is not None:
+            msg = _error_text(error)
+            if _is_unavailable(error):
+                raise ServerUnreachableError(f"Triton at {url} is unreachable (stream failed): {msg}")
+            raise ServerError(f"server error (model {model_name!r}, frame {state['received']}): {msg}")
+        response = result.get_response()
+        if len(response.outputs) == 0:
+            # The flag-only final response of a request (enable_empty_final_response).
+            if not _has_final_flag(response):
+                raise ProtocolError("the server sent a response without outputs that is not a final response")
+            return
+        i = state["received"]
+        if i >= n:
+            raise ProtocolError(f"the server sent more responses than the {n} frames sent")
+        if i >= sent:
+            raise ProtocolError(f"the server answered frame {i} before it was sent")
+        pcm = result.as_numpy(contract.AUDIO_OUT)
+        if pcm is None:
+            raise ProtocolError(f"response {i} has no {contract.AUDIO_OUT} output")
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if pcm.size != contract.FRAME_SAMPLES:
+            raise ProtocolError(
+                f"response {i}: {contract.AUDIO_OUT} has {pcm.size} samples, expected {contract.FRAME_SAMPLES}"
+            )
+        audio_out[i] = pcm
+        text_pieces.append(_decode_text(result.as_numpy(contract.TEXT_OUT)))
+        latencies_ms.append((t_recv - send_times[i]) * 1000.0)
+        state["received"] = i + 1
+        state["last_event"] = t_recv
+        last_recv = t_recv
+        if on_progress is not None:
+            on_progress(i + 1, n)
+
+    def wait_one(deadline: float) -> bool:
+        """Handle one queued response, waiting until `deadline` at most. False on timeout."""
+        remaining = deadline - time.perf_counter()
+        try:
+            item = responses.get(timeout=max(remaining, 0.0)) if remaining > 0 else responses.get_nowait()
+        except queue.Empty:
+            return False
+        handle(item)
+        return True
+
+    def drain() -> None:
+        while True:
+            try:
+                item = responses.get_nowait()
+            except queue.Empty:
+                return
+            handle(item)
+
+    def check_stall(now: float) -> None:
+        if state["received"] < sent and now - state["last_event"] > response_timeout_s:
+            raise StreamTimeoutError(
+                f"no response from {url} for {response_timeout_s:g} s "
+                f"({state['received']} of {sent} frames answered)"
+            )
+
+    sent = 0
+    try:
+        if check_ready:
+            try:
+                live = client.is_server_live(client_timeout=connect_timeout_s)
+            except InferenceServerException as exc:
+                raise ServerUnreachableError(f"cannot reach Triton at {url}: {_error_text(exc)}") from None
+            if not live:
+                raise ServerUnreachableError(f"Triton at {url} reports it is not live")
+            try:
+                ready = client.is_model_ready(model_name, client_timeout=connect_timeout_s)
+            except InferenceServerException as exc:
+                raise ServerError(f"cannot query model {model_name!r} at {url}: {_error_text(exc)}") from None
+            if not ready:
+                raise ServerError(f"model {model_name!r} is not ready on Triton at {url}")
+
+        try:
+            client.start_stream(callback=callback)
+        except InferenceServerException as exc:
+            raise ServerUnreachableError(f"cannot open a stream to Triton at {url}: {_error_text(exc)}") from None
+        stream_started = True
+
+        schedule_start = time.perf_counter()
+        for i in range(n):
+            if realtime:
+                target = schedule_start + i * FRAME_SECONDS
+                while True:
+                    now = time.perf_counter()
+                    check_stall(now)
+                    if now >= target:
+                        break
+                    wait_one(min(target, now + 0.05))
+            else:
+                while i - state["received"] >= max_in_flight:
+                    if not wait_one(state["last_event"] + response_timeout_s):
+                        check_stall(time.perf_counter())
+            inputs = build_request_inputs(frames[i], persona, first=(i == 0))
+            now = time.perf_counter()
+            if first_send is None:
+                first_send = now
+                state["last_event"] = now
+            elif state["received"] == sent:
+                # Nothing was outstanding: the stall clock starts with this frame.
+                state["last_event"] = now
+            send_times[i] = now
+            try:
+                client.async_stream_infer(
+                    model_name,
+                    inputs,
+                    outputs=outputs,
+                    sequence_id=sequence_id,
+                    sequence_start=(i == 0),
+                    sequence_end=(i == n - 1),
+                    enable_empty_final_response=True,
+                )
+            except InferenceServerException as exc:
+                # The stream broke; its reason usually waits in the queue.
+                drain()
+                raise ServerError(f"cannot send frame {i} to {url}: {_error_text(exc)}") from None
+            sent = i + 1
+            drain()
+
+        while state["received"] < n:
+            if not wait_one(state["last_event"] + response_timeout_s):
+                check_stall(time.perf_counter())
+        ok = True
+    finally:
+        if stream_started:
+            _stop_stream(client, graceful=ok)
+        try:
+            client.close()
+        except Exception:
+            pass
+
+    return ConversationResult(
+        audio=audio_out.reshape(-1),
+        text_pieces=text_pieces,
+        sequence_id=sequence_id,
+        frames_sent=sent,
+        frames_received=state["received"],
+        first_audio_ms=(latencies_ms[0] if latencies_ms else None),
+        latencies_ms=latencies_ms,
+        wall_s=(last_recv - first_send) if (last_recv is not None and first_send is not None) else 0.0,
+    )
+
+
+def _stop_stream(client, graceful: bool, grace_s: float = 5.0) -> None:
+    """Stop the client's stream: gracefully (let the server finish) when `graceful`, and
+    by cancelling it otherwise or when the graceful stop takes more than `grace_s`."""
+    if graceful:
+        stopper = threading.Thread(target=_quiet_stop, args=(client, False), daemon=True)
+        stopper.start()
+        stopper.join(grace_s)
+        if not stopper.is_alive():
+            return
+    _quiet_stop(client, True)
+
+
+def _quiet_stop(client, cancel: bool) -> None:
+    try:
+        client.stop_stream(cancel_requests=cancel)
+    except Exception:
+        pass

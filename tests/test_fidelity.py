@@ -1,0 +1,95 @@
+"""Fidelity: with greedy sampling, the talker emits exactly the tokens of PersonaPlex's own
+reference generation code (NVIDIA/personaplex, moshi/moshi/models/lm.py `LMGen`), on the same
+weights, prompts and input audio: text and the agent's 8 codebooks of every frame.
+
+`tests/data/reference_tokens.json` holds the reference's tokens on the generated checkpoint,
+recorded with a checkout of NVIDIA/personaplex (commit 3428dfd) by
+
+    PERSONAPLEX_REFERENCE=/path/to/personaplex/moshi .venv/bin/python tests/test_fidelity.py --record
+
+With PERSONAPLEX_REFERENCE set, `test_matches_reference_live` also reruns the reference now.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from personaplex_triton import audio, loaders
+from personaplex_triton.persona import Persona, load_voice, system_prompt_tokens
+from personaplex_triton.sampling import SamplingParams
+from personaplex_triton.talker import Talker, TalkerSetup
+
+HERE = Path(__file__).resolve().parent
+GOLDEN = HERE / "data" / "reference_tokens.json"
+DRIVER = HERE / "reference_driver.py"
+USER_WAV = HERE.parent / "samples" / "user.wav"
+PROMPT = "You are a wise and friendly teacher. Answer questions or provide advice in a clear and engaging way."
+VOICES = ("NATF0.wav", "NATF0.pt")
+REFERENCE = os.environ.get("PERSONAPLEX_REFERENCE")
+
+
+def weights_digest(checkpoint: Path) -> str:
+    digest = hashlib.sha256()
+    for name in (loaders.MOSHI_NAME, loaders.MIMI_NAME, loaders.TOKENIZER_NAME):
+        digest.update((checkpoint / name).read_bytes())
+    return digest.hexdigest()
+
+
+def our_tokens(checkpoint: Path, voice: str) -> list[list[int]]:
+    """Text token + agent cb0..7 per user frame, greedy, on a one-slot talker."""
+    files = loaders.resolve_checkpoint(checkpoint)
+    tokenizer = loaders.get_tokenizer(files)
+    talker = Talker(loaders.get_lm(files), loaders.get_mimi(files), tokenizer, 1)
+    persona = Persona(load_voice(files.voices / voice), system_prompt_tokens(tokenizer, PROMPT))
+    talker.start(0, TalkerSetup(persona, SamplingParams(greedy=True)))
+    frames = audio.split_frames(audio.read_wav(USER_WAV))
+    tokens = []
+    while len(tokens) < len(frames):
+        steps = talker.tick({} if talker.prefilling(0) else {0: frames[len(tokens)]})
+        if 0 in steps:
+            tokens.append([steps[0].text_token, *map(int, steps[0].codes)])
+    talker.close()
+    return tokens
+
+
+def reference_tokens(checkpoint: Path, voice: str) -> list[list[int]]:
+    env = {**os.environ, "PYTHONPATH": REFERENCE, "NO_TORCH_COMPILE": "1"}
+    run = subprocess.run([sys.executable, str(DRIVER), str(checkpoint), str(checkpoint / "voices" / voice),
+                          PROMPT, str(USER_WAV)], env=env, capture_output=True, text=True, check=True)
+    return [frame[:9] for frame in json.loads(run.stdout.strip().splitlines()[-1])]
+
+
+@pytest.mark.parametrize("voice", VOICES)
+def test_matches_recorded_reference(tiny_checkpoint, voice):
+    golden = json.loads(GOLDEN.read_text())
+    if golden["weights_sha256"] != weights_digest(tiny_checkpoint):
+        pytest.skip("the generated checkpoint differs bitwise from the one the reference tokens "
+                    "were recorded on (another CPU or tool version); rerun with PERSONAPLEX_REFERENCE")
+    ours = our_tokens(tiny_checkpoint, voice)
+    assert len(ours) == len(golden["tokens"][voice]) == len(audio.split_frames(audio.read_wav(USER_WAV)))
+    assert ours == golden["tokens"][voice]
+
+
+@pytest.mark.skipif(not REFERENCE, reason="the NVIDIA/personaplex reference code is absent: set "
+                    "PERSONAPLEX_REFERENCE to its moshi/ folder to run it")
+@pytest.mark.parametrize("voice", VOICES)
+def test_matches_reference_live(tiny_checkpoint, voice):
+    assert our_tokens(tiny_checkpoint, voice) == reference_tokens(tiny_checkpoint, voice)
+
+
+def record(checkpoint: Path) -> None:
+    tokens = {voice: reference_tokens(checkpoint, voice) for voice in VOICES}
+    GOLDEN.write_text(json.dumps({"weights_sha256": weights_digest(checkpoint), "reference": "NVIDIA/personaplex@3428dfd",
+                                  "prompt": PROMPT, "tokens": tokens}) + "\n")
+    print(f"wrote {GOLDEN}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"] or not REFERENCE:
+        sys.exit("usage: PERSONAPLEX_REFERENCE=.../personaplex/moshi python tests/test_fidelity.py --record")
+    record(HERE.parent / "checkpoints" / "tiny")

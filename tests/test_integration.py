@@ -1,0 +1,184 @@
+"""End to end on a real `tritonserver` (the nvidia-pytriton build) with the real tritonclient."""
+
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from personaplex_stream import Persona, ServerError, stream_conversation
+from personaplex_triton import audio, contract, loaders
+from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIVE_SECONDS = 63  # frames: 63 * 80 ms = 5.04 s
+PROMPT = "You are a wise and friendly teacher. Answer questions or provide advice in a clear and engaging way."
+
+
+def pool_size(model: str) -> int:
+    config = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+    return int(re.search(r'key: "max_conversations" value: \{ string_value: "(\d+)" \}', config).group(1))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def user_audio():
+    return audio.read_wav(REPO_ROOT / "samples" / "user.wav")[: FIVE_SECONDS * contract.FRAME_SAMPLES]
+
+
+@pytest.fixture(scope="session")
+def solo(server, user_audio):
+    """A 5 s conversation with sampling on, alone on the server."""
+    return stream_conversation(user_audio, url=server.grpc_url,
+                               persona=Persona(voice="NATF0", text_prompt=PROMPT, seed=1234))
+
+
+@pytest.fixture(scope="session")
+def in_process(tiny_checkpoint):
+    """The same two stages run in this process, without Triton, at the server's pool sizes."""
+    from personaplex_triton.code2wav import Code2Wav
+    from personaplex_triton.persona import PersonaLibrary
+    from personaplex_triton.sampling import SamplingParams
+    from personaplex_triton.talker import Talker, TalkerSetup
+
+    files = loaders.resolve_checkpoint(tiny_checkpoint)
+    tokenizer = loaders.get_tokenizer(files)
+    talker = Talker(loaders.get_lm(files), loaders.get_mimi(files), tokenizer, pool_size("talker"))
+    decoder = Code2Wav(loaders.get_mimi(files), pool_size("code2wav"))
+    library = PersonaLibrary(files, tokenizer)
+
+    def run(pcm, voice, prompt, seed):
+        talker.start(0, TalkerSetup(library.persona(voice, prompt), SamplingParams(seed=seed)))
+        decoder.start(0)
+        frames = audio.split_frames(pcm)
+        out, text = [], []
+        while len(out) < len(frames):
+            if talker.prefilling(0):
+                talker.tick({})
+                continue
+            step = talker.tick({0: frames[len(out)]})[0]
+            out.append(decoder.tick({0: step.codes})[0])
+            text.append(talker.text_piece(step.text_token))
+        talker.stop(0)
+        return np.concatenate(out), text
+
+    yield run
+    talker.close()
+
+
+def test_conversation_through_ensemble(solo, user_audio, in_process):
+    n = FIVE_SECONDS
+    assert solo.frames_sent == n and solo.frames_received == n
+    assert solo.audio.shape == (n * contract.FRAME_SAMPLES,) and solo.audio.dtype == np.float32
+    assert np.isfinite(solo.audio).all()
+    assert np.sqrt(np.mean(solo.audio ** 2)) > 1e-3  # not silent
+    assert len(solo.text_pieces) == n
+    # Every frame, in order, is what the stages compute without Triton.
+    expected_audio, expected_text = in_process(user_audio, "NATF0", PROMPT, 1234)
+    assert solo.text_pieces == expected_text
+    np.testing.assert_allclose(solo.audio, expected_audio, atol=1e-4)
+    assert solo.first_audio_ms > 0 and solo.latency_ms_p95 >= solo.latency_ms_p50 > 0
+
+
+def test_two_conversations_at_once_are_isolated(server, solo, user_audio):
+    other_audio = audio.read_wav(REPO_ROOT / "export" / "voice_prompts" / "NATM0.wav")
+    results = {}
+
+    def talk(name, pcm, persona):
+        results[name] = stream_conversation(pcm, url=server.grpc_url, persona=persona)
+
+    threads = [
+        threading.Thread(target=talk, args=("a", user_audio, Persona(voice="NATF0", text_prompt=PROMPT, seed=1234))),
+        threading.Thread(target=talk, args=("b", other_audio, Persona(voice="NATM0", text_prompt="Be brief.", seed=7))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = results["a"], results["b"]
+    assert a.frames_received == FIVE_SECONDS
+    assert b.frames_received == len(audio.split_frames(other_audio))
+    assert a.text_pieces == solo.text_pieces
+    np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
+    assert not np.allclose(a.audio[: b.audio.size], b.audio, atol=1e-3)
+
+
+@pytest.mark.parametrize("change", [dict(seed=99), dict(voice="NATM0"), dict(text_prompt="Talk about cooking.")])
+def test_persona_controls_change_output(server, solo, user_audio, change):
+    persona = Persona(**{**dict(voice="NATF0", text_prompt=PROMPT, seed=1234), **change})
+    short = user_audio[: 12 * contract.FRAME_SAMPLES]
+    result = stream_conversation(short, url=server.grpc_url, persona=persona)
+    assert result.frames_received == 12
+    assert not np.allclose(result.audio, solo.audio[: short.size], atol=1e-3)
+
+
+def raw_request(server, frames_audio, sequence_id, start, end, extra=()):
+    """One request on its own stream; returns (responses, error message)."""
+    responses, errors, done = [], [], threading.Event()
+
+    def callback(result, error):
+        if error is not None:
+            errors.append(str(error))
+            done.set()
+        elif result.get_response().outputs:
+            responses.append(result)
+        else:
+            done.set()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback)
+    tensor = grpcclient.InferInput(contract.AUDIO_IN, list(frames_audio.shape),
+                                   "FP32" if frames_audio.dtype == np.float32 else "FP64")
+    tensor.set_data_from_numpy(frames_audio)
+    client.async_stream_infer(contract.MODEL_NAME, [tensor, *extra], sequence_id=sequence_id,
+                              sequence_start=start, sequence_end=end, enable_empty_final_response=True)
+    assert done.wait(120), "no final response"
+    client.stop_stream()
+    client.close()
+    return responses, (errors[0] if errors else None)
+
+
+def voice_input(name):
+    tensor = grpcclient.InferInput(contract.VOICE, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([name.encode()], dtype=np.object_))
+    return tensor
+
+
+def test_bad_input_is_refused_without_disturbing_others(server, solo, user_audio):
+    healthy = {}
+    thread = threading.Thread(target=lambda: healthy.update(r=stream_conversation(
+        user_audio, url=server.grpc_url, persona=Persona(voice="NATF0", text_prompt=PROMPT, seed=1234))))
+    thread.start()
+    _, error = raw_request(server, np.zeros(1000, np.float32), 501, True, True)
+    assert "whole number of 1920-sample frames" in error
+    _, error = raw_request(server, np.zeros(1920, np.float32), 502, True, True, [voice_input("NOBODY")])
+    assert "unknown voice 'NOBODY'" in error and "NATF0" in error
+    _, error = raw_request(server, np.full(1920, np.nan, np.float32), 503, True, True)
+    assert "NaN" in error
+    _, error = raw_request(server, np.zeros(1920, np.float32), 504, False, True)
+    assert "not open" in error
+    with pytest.raises(ServerError, match=r"must lie in \[-1, 1\]"):
+        stream_conversation(np.full(1920 * 2, 3.0, np.float32), url=server.grpc_url)
+    thread.join()
+    r = healthy["r"]
+    assert r.frames_received == FIVE_SECONDS
+    assert r.text_pieces == solo.text_pieces
+    np.testing.assert_allclose(r.audio, solo.audio, atol=1e-4)
+
+
+def test_several_frames_per_request(server):
+    frames = np.random.default_rng(0).uniform(-0.5, 0.5, 3 * contract.FRAME_SAMPLES).astype(np.float32)
+    responses, error = raw_request(server, frames, 601, True, True, [voice_input("NATF0")])
+    assert error is None
+    assert len(responses) == 3
+    assert all(r.as_numpy(contract.AUDIO_OUT).shape == (contract.FRAME_SAMPLES,) for r in responses)

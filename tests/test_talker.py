@@ -1,0 +1,177 @@
+"""The talker library on the generated checkpoint: prefill, alignment, seeds, batching."""
+
+import numpy as np
+import pytest
+import torch
+
+from personaplex_triton import loaders
+from personaplex_triton.generation import StepInputs
+from personaplex_triton.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
+from personaplex_triton.sampling import SamplingParams
+from personaplex_triton.talker import Talker, TalkerSetup, make_voice_bundle, prefill_program
+
+NUM_SLOTS = 3
+
+
+@pytest.fixture(scope="session")
+def files(tiny_checkpoint):
+    return loaders.resolve_checkpoint(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def talker(files):
+    talker = Talker(loaders.get_lm(files), loaders.get_mimi(files), loaders.get_tokenizer(files), NUM_SLOTS)
+    yield talker
+    talker.close()
+
+
+@pytest.fixture(scope="session")
+def wav_voice(files):
+    """The first 8 frames of a WAV voice prompt: short prefills keep these tests quick."""
+    full = load_voice(files.voices / "NATF0.wav")
+    return VoicePrompt("NATF0-short", frames=full.frames[:8])
+
+
+@pytest.fixture(scope="session")
+def user_frames():
+    rng = np.random.default_rng(7)
+    return (0.1 * rng.standard_normal((12, 1920))).astype(np.float32)
+
+
+def converse(talker, slot, setup, frames, others=()):
+    """Run one conversation on `slot` (while `others`, (slot, setup, frames) each, run beside
+    it) and return its agent steps as (text token, codes) tuples."""
+    everyone = [(slot, setup, frames), *others]
+    for s, st, _ in everyone:
+        talker.start(s, st)
+    answers = {s: [] for s, _, _ in everyone}
+    while len(answers[slot]) < len(frames):
+        items = {s: f[len(answers[s])] for s, _, f in everyone
+                 if not talker.prefilling(s) and len(answers[s]) < len(f)}
+        for s, step in talker.tick(items).items():
+            answers[s].append((step.text_token, tuple(int(c) for c in step.codes)))
+    for s, _, _ in everyone:
+        talker.stop(s)
+    return answers[slot]
+
+
+def setup(voice, tokenizer=None, prompt="", **sampling):
+    tokens = system_prompt_tokens(tokenizer, prompt) if tokenizer else ()
+    return TalkerSetup(Persona(voice, tokens), SamplingParams(**sampling))
+
+
+def test_system_prompt_wrapping(talker):
+    assert wrap_system_prompt("  Be kind. ") == "<system> Be kind. <system>"
+    assert wrap_system_prompt("<system> Be kind. <system>") == "<system> Be kind. <system>"
+    assert system_prompt_tokens(talker.tokenizer, "   ") == ()
+    tokens = system_prompt_tokens(talker.tokenizer, "Be kind.")
+    assert talker.tokenizer.decode(list(tokens)) == "<system> Be kind. <system>"
+
+
+def test_prefill_order_wav_voice(wav_voice):
+    prompt = (101, 102, 103)
+    steps = list(prefill_program(Persona(wav_voice, prompt), 2048))
+    n, sil = wav_voice.num_frames, loaders.PREFILL_SILENCE_FRAMES
+    assert len(steps) == n + sil + len(prompt) + sil
+    assert all(s.user == loaders.SINE_TOKENS for s in steps)
+    voice, rest = steps[:n], steps[n:]
+    assert [s.runs_model for s in voice] == [False] + [True] * (n - 1)  # frame 0 only primes Mimi
+    assert all(s.agent is None and s.text == loaders.TEXT_PROMPT_PAD for s in voice)
+    assert all(np.array_equal(s.pcm, f) for s, f in zip(voice, wav_voice.frames))
+    assert all(s.agent == loaders.SILENCE_TOKENS and s.pcm is None for s in rest)
+    assert [s.text for s in rest] == [3] * sil + list(prompt) + [3] * sil
+
+
+def test_prefill_order_bundle_voice(talker, wav_voice):
+    bundle = make_voice_bundle(talker, wav_voice)
+    n = wav_voice.num_frames
+    assert bundle["embeddings"].shape == (n - 1, 1, 1, talker.lm.dim)
+    assert bundle["cache"].shape == (1, 17, talker.generator.ring)
+    voice = VoicePrompt("b", embeddings=bundle["embeddings"], cache=bundle["cache"][0])
+    steps = list(prefill_program(Persona(voice, ()), 2048))
+    assert len(steps) == (n - 1) + 2 * loaders.PREFILL_SILENCE_FRAMES
+    replay = steps[:n - 1]
+    assert all(s.embedding is not None and s.agent == (2048,) * 8 for s in replay)
+    assert [s.restore_cache is not None for s in replay] == [False] * (n - 2) + [True]
+
+
+def test_first_frame_is_the_prompt_tail(talker, wav_voice, user_frames):
+    answer = converse(talker, 0, setup(wav_voice, seed=1), user_frames[:3])
+    assert answer[0] == (loaders.TEXT_PROMPT_PAD, loaders.SILENCE_TOKENS)
+    assert len(answer) == 3
+
+
+def test_outputs_are_aligned_for_the_decoder(talker):
+    """Tokens forced at one call come back, every stream aligned, at the next call:
+    text and cb0 (delay 0) beside cb1..7 (delay 1)."""
+    gen = talker.generator
+    gen.start(1, SamplingParams(greedy=True))
+    rng = np.random.default_rng(3)
+    S = NUM_SLOTS
+    active = torch.zeros(S, dtype=torch.bool)
+    active[1] = True
+    forced, outputs = [], []
+    for _ in range(8):
+        agent = torch.from_numpy(rng.integers(0, 2048, (S, 8)))
+        user = torch.from_numpy(rng.integers(0, 2048, (S, 8)))
+        text = torch.from_numpy(rng.integers(4, 1000, S))
+        forced.append(torch.cat([text[1:2], agent[1], user[1]]))
+        tokens, has_output, _ = gen.step(StepInputs(active, user, agent, active.clone(), text, active.clone()))
+        outputs.append((tokens[1].clone(), bool(has_output[1])))
+    assert [has for _, has in outputs] == [False] + [True] * 7  # delays: first call has none
+    for i in range(1, 8):
+        assert torch.equal(outputs[i][0], forced[i - 1]), i
+
+
+def test_seed_reproducible_and_distinct(talker, wav_voice, user_frames):
+    a = converse(talker, 0, setup(wav_voice, seed=11), user_frames)
+    b = converse(talker, 1, setup(wav_voice, seed=11), user_frames)
+    c = converse(talker, 0, setup(wav_voice, seed=12), user_frames)
+    assert a == b
+    assert a != c
+
+
+def test_alone_equals_batched(talker, wav_voice, user_frames, files):
+    alone = converse(talker, 0, setup(wav_voice, seed=5), user_frames)
+    other_voice = VoicePrompt("NATM0-short", frames=load_voice(files.voices / "NATM0.wav").frames[:5])
+    noise = np.random.default_rng(9).standard_normal((20, 1920)).astype(np.float32) * 0.2
+    others = [(1, setup(other_voice, talker.tokenizer, "Be brief.", seed=6), noise),
+              (2, setup(wav_voice, seed=5, greedy=True), noise[::-1].copy())]
+    batched = converse(talker, 0, setup(wav_voice, seed=5), user_frames, others=others)
+    assert batched == alone
+
+
+def test_bundle_replay_equals_wav_voice(talker, wav_voice, user_frames):
+    bundle = make_voice_bundle(talker, wav_voice)
+    replayed = VoicePrompt("b", embeddings=bundle["embeddings"], cache=bundle["cache"][0])
+    prompt = "You are a wise and friendly teacher."
+    a = converse(talker, 0, setup(wav_voice, talker.tokenizer, prompt, greedy=True), user_frames)
+    b = converse(talker, 1, setup(replayed, talker.tokenizer, prompt, greedy=True), user_frames)
+    assert a == b
+
+
+def test_persona_changes_output(talker, wav_voice, user_frames, files):
+    base = converse(talker, 0, setup(wav_voice, talker.tokenizer, "Be kind.", greedy=True), user_frames)
+    prompt = converse(talker, 0, setup(wav_voice, talker.tokenizer, "Talk about cooking.", greedy=True),
+                      user_frames)
+    other_voice = VoicePrompt("NATM0-short", frames=load_voice(files.voices / "NATM0.wav").frames[:8])
+    voice = converse(talker, 0, setup(other_voice, talker.tokenizer,
+                                      "Be kind.", greedy=True), user_frames)
+    assert base != prompt and base != voice
+
+
+def test_user_audio_changes_output(talker, wav_voice, user_frames):
+    a = converse(talker, 0, setup(wav_voice, greedy=True), user_frames)
+    b = converse(talker, 0, setup(wav_voice, greedy=True), user_frames * 0.3)
+    assert a[0] == b[0]  # the prompt's tail
+    assert a[1:] != b[1:]
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(temperature=0.0), "temperatures"),
+    (dict(top_k=0), "top-k"),
+    (dict(top_k=5000), "top-k must be <="),
+])
+def test_invalid_sampling_rejected(talker, wav_voice, params, message):
+    with pytest.raises(ValueError, match=message):
+        talker.start(0, setup(wav_voice, **params))

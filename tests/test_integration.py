@@ -166,7 +166,11 @@ def test_bad_input_is_refused_without_disturbing_others(server, solo, user_audio
     _, error = raw_request(server, np.full(1920, np.nan, np.float32), 503, True, True)
     assert "NaN" in error
     _, error = raw_request(server, np.zeros(1920, np.float32), 504, False, True)
-    assert "not open" in error
+    assert "must specify the START flag" in error  # Triton's sequence batcher
+    _, error = raw_request(server, np.zeros(1920, np.float32), 505, True, False, [voice_input("NOBODY")])
+    assert "unknown voice" in error
+    _, error = raw_request(server, np.zeros(1920, np.float32), 505, False, True)
+    assert "not open" in error  # a failed start leaves no half-made conversation
     with pytest.raises(ServerError, match=r"must lie in \[-1, 1\]"):
         stream_conversation(np.full(1920 * 2, 3.0, np.float32), url=server.grpc_url)
     thread.join()

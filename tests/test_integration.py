@@ -1,6 +1,9 @@
 """End to end on a real `tritonserver` (the nvidia-pytriton build) with the real tritonclient."""
 
+import json
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -186,3 +189,36 @@ def test_several_frames_per_request(server):
     assert error is None
     assert len(responses) == 3
     assert all(r.as_numpy(contract.AUDIO_OUT).shape == (contract.FRAME_SAMPLES,) for r in responses)
+
+
+def test_cli_streams_any_wav_and_reports_json(server, tmp_path):
+    """The installed `personaplex-stream` command: 44.1 kHz stereo in, 24 kHz mono out."""
+    from scipy.io import wavfile
+
+    rate = 44100
+    stereo = np.random.default_rng(1).uniform(-0.3, 0.3, (rate, 2))  # 1 s
+    wavfile.write(tmp_path / "in.wav", rate, np.round(stereo * 32767).astype(np.int16))
+    out = tmp_path / "agent.wav"
+    script = Path(sys.executable).parent / "personaplex-stream"
+    run = subprocess.run([str(script), "--input", str(tmp_path / "in.wav"), "--output", str(out),
+                          "--url", server.grpc_url, "--voice", "NATM0", "--seed", "3", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    frames = -(-contract.SAMPLE_RATE // contract.FRAME_SAMPLES)  # 1 s -> 13 frames, last padded
+    assert summary["frames_sent"] == summary["frames_received"] == frames
+    for key in ("first_audio_ms", "latency_ms_p50", "latency_ms_p95", "text"):
+        assert key in summary
+    agent = audio.read_wav(out)
+    assert agent.size == frames * contract.FRAME_SAMPLES and np.abs(agent).max() > 0
+    assert out.with_suffix(".txt").read_text().strip() == summary["text"].strip()
+
+
+def test_realtime_pacing(server):
+    frames = 10
+    pcm = np.random.default_rng(2).uniform(-0.3, 0.3, frames * contract.FRAME_SAMPLES).astype(np.float32)
+    result = stream_conversation(pcm, url=server.grpc_url, persona=Persona(voice="NATF0", seed=1), realtime=True)
+    assert result.frames_received == frames
+    # one frame per 80 ms on an absolute schedule, although this server answers slower
+    drift = np.array(result.send_offsets_s) - 0.080 * np.arange(frames)
+    assert np.abs(drift).max() < 0.03

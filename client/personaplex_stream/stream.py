@@ -167,6 +167,7 @@ class ConversationResult:
     latencies_ms: per frame, receive time of response i minus send time of frame i.
     first_audio_ms: time from the first send to the first response.
     wall_s: time from the first send to the last response.
+    send_offsets_s: per frame, its send time after the first frame's.
     """
 
     audio: np.ndarray
@@ -177,6 +178,7 @@ class ConversationResult:
     first_audio_ms: Optional[float]
     latencies_ms: list = field(default_factory=list)
     wall_s: float = 0.0
+    send_offsets_s: list = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -465,6 +467,7 @@ def stream_conversation(
         first_audio_ms=(latencies_ms[0] if latencies_ms else None),
         latencies_ms=latencies_ms,
         wall_s=(last_recv - first_send) if (last_recv is not None and first_send is not None) else 0.0,
+        send_offsets_s=[t - send_times[0] for t in send_times[:sent]],
     )
 
 

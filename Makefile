@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 
-.PHONY: all venv checkpoint demo serve test clean
+.PHONY: all venv checkpoint demo serve test bench-cpu clean
 
 all: test
 
@@ -30,6 +30,10 @@ serve: venv $(if $(PERSONAPLEX_CHECKPOINT),,checkpoint)
 
 test: checkpoint
 	$(PY) -m pytest -q
+
+bench-cpu: checkpoint
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/cpu_latency.py
 
 clean:
 	rm -rf out .pytest_cache

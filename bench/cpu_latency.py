@@ -1,0 +1,122 @@
+"""Latency of the served pipeline on this machine: time to ready, prefill, per-frame round trip.
+
+Starts `tritonserver` on the model repository (the checkpoint named by
+$PERSONAPLEX_CHECKPOINT, else checkpoints/tiny), then streams samples/user.wav through
+`ensemble` with the gRPC client:
+  - one conversation, one frame in flight: the per-frame round trip (Mimi encode, LM step,
+    depformer, Mimi decode, Triton), frame after frame;
+  - N conversations at once, one frame in flight each: the same when N share each tick;
+  - one conversation, 8 frames in flight: throughput in frames per second.
+Writes bench/results/cpu_latency.{json,md,png}. Medians of one run; machines are noisy.
+
+    make bench-cpu          (or: .venv/bin/python bench/cpu_latency.py --conversations 1 2 4)
+"""
+
+import argparse
+import json
+import platform
+import threading
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from personaplex_stream import Persona, stream_conversation
+from personaplex_triton import audio
+from personaplex_triton.launch import REPO_ROOT, TritonServer
+
+RESULTS = REPO_ROOT / "bench" / "results"
+
+
+def concurrent(url, pcm, n, max_in_flight):
+    results = [None] * n
+
+    def talk(i):
+        results[i] = stream_conversation(pcm, url=url, max_in_flight=max_in_flight,
+                                         persona=Persona(voice="NATF0", seed=i))
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def row(name, results):
+    lat = np.concatenate([r.latencies_ms[1:] for r in results])  # frame 0 waits for the prefill
+    frames = sum(r.frames_received for r in results)
+    wall = max(r.wall_s for r in results)
+    first = np.median([r.first_audio_ms for r in results])
+    return {"run": name, "conversations": len(results), "frames": frames,
+            "first_audio_ms_median": round(float(first), 1),
+            "frame_ms_p50": round(float(np.percentile(lat, 50)), 1),
+            "frame_ms_p95": round(float(np.percentile(lat, 95)), 1),
+            "frames_per_s": round(frames / wall, 2)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seconds", type=float, default=4.0, help="user audio per conversation")
+    args = parser.parse_args()
+    pcm = audio.read_wav(REPO_ROOT / "samples" / "user.wav")[: int(args.seconds * 24000)]
+
+    launched = time.monotonic()
+    with TritonServer(log_path=RESULTS / "tritonserver.log") as server:
+        ready_s = server.ready_s
+        rows = [row(f"{n} conversation(s), 1 frame in flight each", concurrent(server.grpc_url, pcm, n, 1))
+                for n in args.conversations]
+        rows.append(row("1 conversation, 8 frames in flight", concurrent(server.grpc_url, pcm, 1, 8)))
+    report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {_cpus()} CPUs, no GPU",
+              "python": platform.python_version(), "time_to_ready_s": round(ready_s, 2),
+              "bench_wall_s": round(time.monotonic() - launched, 1), "audio_s_per_conversation": args.seconds,
+              "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cpu_latency.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "cpu_latency.md").write_text(markdown(report))
+    plot(report, RESULTS / "cpu_latency.png")
+    print(markdown(report))
+
+
+def _cpus():
+    import os
+    return len(os.sched_getaffinity(0))
+
+
+def markdown(report):
+    lines = [f"# CPU latency ({report['date']}, {report['machine']}, Python {report['python']})", "",
+             f"Time to ready: {report['time_to_ready_s']} s. User audio: {report['audio_s_per_conversation']} s "
+             "per conversation. Frame latency = send to receive of one frame (frame 0, which waits "
+             "for the persona prefill, left out). Command: `make bench-cpu`.", "",
+             "| run | frames | first audio (ms, median) | frame p50 (ms) | frame p95 (ms) | frames/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["rows"]:
+        lines.append(f"| {r['run']} | {r['frames']} | {r['first_audio_ms_median']} | {r['frame_ms_p50']} | "
+                     f"{r['frame_ms_p95']} | {r['frames_per_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if "1 frame in flight" in r["run"]]
+    n = [r["conversations"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.plot(n, [r["frame_ms_p50"] for r in rows], "o-", label="p50")
+    left.plot(n, [r["frame_ms_p95"] for r in rows], "s--", label="p95")
+    left.axhline(80, color="grey", lw=0.8, label="real time (80 ms)")
+    left.set(xlabel="live conversations", ylabel="frame round trip (ms)", xticks=n)
+    left.legend()
+    right.bar([str(x) for x in n], [r["frames_per_s"] for r in rows])
+    right.set(xlabel="live conversations", ylabel="frames / s, all conversations")
+    fig.suptitle(f"talker + code2wav on Triton, {report['machine']}, {report['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

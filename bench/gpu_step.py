@@ -1,0 +1,133 @@
+"""Per-tick time of the two stages on a GPU, with PersonaPlex's 7B architecture (random bf16
+weights) and a full-size Mimi, for several numbers of live conversations. Eager PyTorch: no
+CUDA graphs yet, so this is the baseline they are measured against.
+
+    python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 32 64 --out bench/results
+    python bench/gpu_step.py --from-json bench/results/gpu_step.json   (table and plot again)
+
+Writes gpu_step.json, gpu_step.md and gpu_step.png under --out. A tick = Mimi-encode every slot's user
+frame, one temporal-transformer step, the 16-codebook depformer, sampling, results on the
+host (Talker.tick); code2wav = one batched streaming Mimi decode (Code2Wav.tick).
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def timed(fn, steps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def main():
+    from moshi.models import loaders as moshi_loaders
+    import sentencepiece
+
+    from personaplex_triton import loaders
+    from personaplex_triton.code2wav import Code2Wav
+    from personaplex_triton.persona import Persona, VoicePrompt
+    from personaplex_triton.sampling import SamplingParams
+    from personaplex_triton.talker import Talker, TalkerSetup
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tokenizer", type=Path, help="a SentencePiece model (any)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
+    args = parser.parse_args()
+    if args.from_json:
+        return write_report(json.loads(args.from_json.read_text()), args.out)
+    if args.tokenizer is None:
+        parser.error("--tokenizer is required for a run")
+
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    lm = moshi_loaders.get_moshi_lm(None, lm_kwargs=loaders.PERSONAPLEX_LM_KWARGS, device="cuda",
+                                    dtype=torch.bfloat16)
+    lm.eval()
+    params = sum(p.numel() for p in lm.parameters())
+    mimi = moshi_loaders.get_mimi(None, device="cuda")
+    tokenizer = sentencepiece.SentencePieceProcessor(str(args.tokenizer))
+    build_s = time.perf_counter() - started
+    rng = np.random.default_rng(0)
+    voice = VoicePrompt("noise", frames=(0.1 * rng.standard_normal((2, 1920))).astype(np.float32))
+
+    rows = []
+    for slots in args.slots:
+        torch.cuda.reset_peak_memory_stats()
+        talker = Talker(lm, mimi, tokenizer, slots)
+        for s in range(slots):
+            talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
+        while talker.prefilling(0):
+            talker.tick({})
+        frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(slots)}
+        talker_ms = timed(lambda: talker.tick(frames), args.steps)
+        talker.close()
+        decoder = Code2Wav(moshi_loaders.get_mimi(None, device="cuda"), slots)
+        codes = {s: rng.integers(0, 2048, 8) for s in range(slots)}
+        for s in range(slots):
+            decoder.start(s)
+        code2wav_ms = timed(lambda: decoder.tick(codes), args.steps)
+        decoder.mimi.close()
+        rows.append({"slots": slots, "talker_tick_ms": talker_ms, "code2wav_tick_ms": code2wav_ms,
+                     "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
+        print(rows[-1], flush=True)
+        del talker, decoder
+        torch.cuda.empty_cache()
+
+    report = {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "python": platform.python_version(),
+              "lm_parameters": params, "dtype": "bfloat16", "cuda_graphs": False,
+              "build_s": round(build_s, 1), "steps": args.steps, "rows": rows}
+    write_report(report, args.out)
+
+
+def write_report(report, out: Path) -> None:
+    rows, steps = report["rows"], report["steps"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_step.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# GPU tick times ({report['date']}, {report['gpu']}, torch {report['torch']}, eager)", "",
+             f"PersonaPlex 7B architecture, {report['lm_parameters'] / 1e9:.2f} B parameters, random bf16 "
+             f"weights; median of {steps} ticks. Command: `python bench/gpu_step.py --tokenizer ...`.", "",
+             "| live conversations | talker tick (ms) | code2wav tick (ms) | peak GPU memory (GiB) |",
+             "| ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['slots']} | {r['talker_tick_ms']} | {r['code2wav_tick_ms']} | {r['peak_gib']} |" for r in rows]
+    (out / "gpu_step.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slots = [r["slots"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(slots, [r["talker_tick_ms"] for r in rows], "o-", label="talker tick")
+    ax.plot(slots, [r["code2wav_tick_ms"] for r in rows], "s-", label="code2wav tick")
+    ax.axhline(80, color="grey", lw=0.8, label="real time (80 ms)")
+    ax.set(xscale="log", xticks=slots, xticklabels=slots, xlabel="live conversations", ylabel="ms per tick")
+    ax.legend()
+    ax.set_title(f"{report['gpu']}, eager, {report['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "gpu_step.png", dpi=110)
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from .mimi_stream import MimiSlots
+from .seam import NUM_AGENT_CODEBOOKS
 
 
 class Code2Wav:
@@ -27,7 +28,7 @@ class Code2Wav:
     def tick(self, items: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         if not items:
             return {}
-        codes = torch.zeros(self.num_slots, 8, dtype=torch.long)
+        codes = torch.zeros(self.num_slots, NUM_AGENT_CODEBOOKS, dtype=torch.long)
         active = torch.zeros(self.num_slots, dtype=torch.bool)
         for slot, frame_codes in items.items():
             codes[slot] = torch.from_numpy(np.asarray(frame_codes, dtype=np.int64))

@@ -59,7 +59,8 @@ class SlotEngine:
         self.stage = stage
         self.evict_after_s = evict_after_s
         self._cond = threading.Condition()
-        self._conversations: dict[int, _Conversation] = {}
+        self._open: dict[int, _Conversation] = {}  # by key: those that take more requests
+        self._all: list[_Conversation] = []        # every conversation holding or awaiting a slot
         self._free = list(range(stage.num_slots))[::-1]
         self._to_start: deque[_Conversation] = deque()
         self._running = True
@@ -72,55 +73,54 @@ class SlotEngine:
         """Reserve a slot for a new conversation; its state is set up before the next tick.
         `restart`: an idle open conversation with this key starts over in its slot."""
         with self._cond:
-            conv = self._conversations.get(key)
+            conv = self._open.get(key)
             if conv is not None:
-                if not (restart and not conv.closing and not conv.queue and not conv.requests):
+                if not (restart and not conv.queue and not conv.requests):
                     raise ConversationError(f"conversation {key} is already open")
                 conv.setup = setup
                 self._to_start.append(conv)
                 self._cond.notify()
                 return
-            live = [c for c in self._conversations.values() if not c.closing]
-            if len(live) >= self.stage.num_slots and self.evict_after_s is not None:
+            if len(self._all) >= self.stage.num_slots and self.evict_after_s is not None:
                 since = time.monotonic() - self.evict_after_s
-                idle = [c for c in live if not c.queue and not c.requests and c.last_active <= since]
+                idle = [c for c in self._open.values() if not c.queue and not c.requests and c.last_active <= since]
                 if idle:
-                    victim = min(idle, key=lambda c: c.last_active)
-                    victim.closing = True
-                    live.remove(victim)
-            if len(live) >= self.stage.num_slots:
+                    self._close(min(idle, key=lambda c: c.last_active))
+            if len(self._all) - sum(self._closable(c) for c in self._all) >= self.stage.num_slots:
                 raise ConversationError(
                     f"all {self.stage.num_slots} conversation slots are busy; try again later")
             conv = _Conversation(key, setup)
-            self._conversations[key] = conv
+            self._open[key] = conv
+            self._all.append(conv)
             self._to_start.append(conv)
             self._cond.notify()
 
     def is_open(self, key: int) -> bool:
         with self._cond:
-            conv = self._conversations.get(key)
-            return conv is not None and not conv.closing
+            return key in self._open
 
     def submit(self, key: int, items: list, on_output, on_done, close: bool = False) -> None:
-        """Queue items of conversation `key`; `close` frees its slot once they are answered."""
+        """Queue items of conversation `key`; `close` ends it: its slot is freed once they are
+        answered, and the key is free for a new conversation at once."""
         request = _Request(list(items), on_output, on_done)
         with self._cond:
-            conv = self._conversations.get(key)
-            if conv is None or conv.closing:
+            conv = self._open.get(key)
+            if conv is None:
                 raise ConversationError(
                     f"conversation {key} is not open (its start request failed, was never sent, or it ended)")
             conv.queue.extend((request, item) for item in request.items)
             conv.last_active = time.monotonic()
             if request.items:
                 conv.requests.append(request)
-            conv.closing = close
+            if close:
+                self._close(conv)
             self._cond.notify()
         if not request.items:
             on_done(None)
 
     def open_keys(self) -> list[int]:
         with self._cond:
-            return list(self._conversations)
+            return list(self._open)
 
     def shutdown(self) -> None:
         with self._cond:
@@ -128,22 +128,37 @@ class SlotEngine:
             self._cond.notify()
         self._thread.join(timeout=10)
 
-    # -- the engine thread -----------------------------------------------------------------
+    # -- under the lock --------------------------------------------------------------------
+    def _close(self, conv: _Conversation) -> None:
+        conv.closing = True
+        if self._open.get(conv.key) is conv:
+            del self._open[conv.key]
+
     def _closable(self, conv: _Conversation) -> bool:
-        return conv.closing and conv.slot is not None and not conv.queue and not conv.requests
+        return conv.closing and not conv.queue and not conv.requests
 
     def _tickable(self, conv: _Conversation) -> bool:
         return conv.slot is not None and (bool(conv.queue) or self.stage.prefilling(conv.slot))
 
+    def _release(self, conv: _Conversation) -> None:
+        if conv.slot is not None:
+            self.stage.stop(conv.slot)
+            self._free.append(conv.slot)
+            conv.slot = None
+        if conv in self._to_start:
+            self._to_start.remove(conv)
+        self._all.remove(conv)
+
+    # -- the engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while self._running and not (self._to_start or any(
-                        self._closable(c) or self._tickable(c) for c in self._conversations.values())):
+                        self._closable(c) or self._tickable(c) for c in self._all)):
                     self._cond.wait()
                 if not self._running:
                     return
-                for conv in [c for c in self._conversations.values() if self._closable(c)]:
+                for conv in [c for c in self._all if self._closable(c)]:
                     self._release(conv)
                 starting = list(self._to_start)
                 self._to_start.clear()
@@ -154,21 +169,14 @@ class SlotEngine:
                 self._start(conv)
             with self._cond:
                 batch: dict[int, tuple[_Conversation, _Request, Any]] = {}
-                for conv in self._conversations.values():
+                for conv in self._all:
                     if conv.slot is None or not conv.queue or self.stage.prefilling(conv.slot):
                         continue
                     request, item = conv.queue.popleft()
                     batch[conv.slot] = (conv, request, item)
-                prefilling = any(self.stage.prefilling(c.slot) for c in self._conversations.values()
-                                 if c.slot is not None)
+                prefilling = any(self.stage.prefilling(c.slot) for c in self._all if c.slot is not None)
             if batch or prefilling:
                 self._tick(batch)
-
-    def _release(self, conv: _Conversation) -> None:
-        if conv.slot is not None:
-            self.stage.stop(conv.slot)
-            self._free.append(conv.slot)
-        del self._conversations[conv.key]
 
     def _start(self, conv: _Conversation) -> None:
         try:
@@ -203,8 +211,8 @@ class SlotEngine:
             owed = list(conv.requests)
             conv.queue.clear()
             conv.requests.clear()
-            conv.closing = True
-            if self._conversations.get(conv.key) is conv:
+            self._close(conv)
+            if conv in self._all:
                 self._release(conv)
         for request in owed:
             request.on_done(message)

@@ -6,6 +6,7 @@ through an ensemble.
 """
 
 NUM_AGENT_CODEBOOKS = 8
+CODEBOOK_SIZE = 2048  # Mimi's codes lie in [0, 2048)
 
 AGENT_CODES = "AGENT_CODES"        # INT64 [8], Mimi codebooks 0..7 of the agent, aligned for decoding
 CONVERSATION_ID = "CONVERSATION_ID"  # UINT64 [1], the sequence's correlation id

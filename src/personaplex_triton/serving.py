@@ -133,10 +133,11 @@ class TalkerService:
                 self.engine.submit(conversation, [], None, lambda _: None, close=True)
             finish(str(exc))
             return
-        last = len(frames) - 1
+        answered = 0
 
-        def on_output(step, counter=iter(range(len(frames)))):
-            i = next(counter)
+        def on_output(step):
+            nonlocal answered
+            answered += 1
             with self._lock:
                 index = self._frame_index[conversation]
                 self._frame_index[conversation] = index + 1
@@ -144,7 +145,7 @@ class TalkerService:
                 seam.AGENT_CODES: step.codes.astype(np.int64),
                 seam.CONVERSATION_ID: np.array([conversation], dtype=np.uint64),
                 seam.FRAME_INDEX: np.array([index], dtype=np.int64),
-                seam.FINAL: np.array([end and i == last], dtype=bool),
+                seam.FINAL: np.array([end and answered == len(frames)], dtype=bool),
                 seam.TEXT_PIECE: np.array([self.talker.text_piece(step.text_token).encode()], dtype=np.object_),
             })
 
@@ -191,8 +192,8 @@ class Code2WavService:
             codes = arrays.get(seam.AGENT_CODES)
             if codes is None or codes.shape != (seam.NUM_AGENT_CODEBOOKS,) or codes.dtype != np.int64:
                 raise InputError(f"{seam.AGENT_CODES} must be INT64 [{seam.NUM_AGENT_CODEBOOKS}]")
-            if codes.min() < 0 or codes.max() >= 2048:
-                raise InputError(f"{seam.AGENT_CODES} must lie in [0, 2048)")
+            if codes.min() < 0 or codes.max() >= seam.CODEBOOK_SIZE:
+                raise InputError(f"{seam.AGENT_CODES} must lie in [0, {seam.CODEBOOK_SIZE})")
             conversation = int(_scalar(arrays, seam.CONVERSATION_ID, int))
             frame_index = int(_scalar(arrays, seam.FRAME_INDEX, int))
             final = bool(_scalar(arrays, seam.FINAL, bool))

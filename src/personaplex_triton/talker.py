@@ -180,10 +180,9 @@ class Talker:
                     embed_rows = torch.zeros(S, dtype=torch.bool)
                 embeddings[s] = step.embedding
                 embed_rows[s] = True
-        dev = self.device
-        to = lambda t: None if t is None else t.to(dev)  # noqa: E731
-        return StepInputs(to(active), to(user), to(agent), to(agent_forced), to(text), to(text_forced),
-                          to(embeddings), to(embed_rows))
+        on_device = [None if t is None else t.to(self.device)
+                     for t in (active, user, agent, agent_forced, text, text_forced, embeddings, embed_rows)]
+        return StepInputs(*on_device)
 
 
 def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:

@@ -1,0 +1,88 @@
+"""The request layer of the stages, without Triton: input checks and code2wav's state."""
+
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from personaplex_triton import contract, seam
+from personaplex_triton.serving import Code2WavService, InputError, audio_frames, sampling_params
+
+
+def test_audio_frames_accepts_whole_frames():
+    frames = audio_frames(np.zeros(3 * 1920, np.float32))
+    assert frames.shape == (3, 1920)
+    assert audio_frames(np.zeros(0, np.float32)).shape == (0, 1920)
+
+
+@pytest.mark.parametrize("audio, message", [
+    (None, "missing input AUDIO_IN"),
+    (np.zeros(1920, np.float64), "must be FP32"),
+    (np.zeros((2, 1920), np.float32), "must be 1-D"),
+    (np.zeros(1921, np.float32), "whole number of 1920-sample frames, got 1921"),
+    (np.array([np.inf] * 1920, np.float32), "NaN or infinite"),
+    (np.full(1920, -1.5, np.float32), r"in \[-1, 1\], got peak 1.5"),
+])
+def test_audio_frames_names_the_problem(audio, message):
+    with pytest.raises(InputError, match=message):
+        audio_frames(audio)
+
+
+def test_sampling_params_from_inputs():
+    params = sampling_params({contract.SEED: np.array([5]), contract.GREEDY: np.array([True]),
+                              contract.TOP_K: np.array([10], np.int32),
+                              contract.TEMPERATURE_TEXT: np.array([0.5], np.float32)})
+    assert (params.seed, params.greedy, params.top_k, params.temperature_text) == (5, True, 10, 0.5)
+    assert params.temperature == 0.8 and params.top_k_text == 25  # PersonaPlex's defaults
+    assert sampling_params({}).seed != sampling_params({}).seed  # no SEED: a random one
+    with pytest.raises(InputError, match="temperatures must be > 0"):
+        sampling_params({contract.TEMPERATURE: np.array([0.0], np.float32)})
+    with pytest.raises(InputError, match="SEED must hold one value"):
+        sampling_params({contract.SEED: np.array([1, 2])})
+
+
+@pytest.fixture(scope="module")
+def code2wav(tiny_checkpoint):
+    service = Code2WavService(str(tiny_checkpoint), max_conversations=2)
+    yield service
+    service.close()
+
+
+def decode(service, conversation, frame_index, codes, final=False):
+    out, errors, done = [], [], threading.Event()
+    arrays = {seam.AGENT_CODES: np.asarray(codes, np.int64),
+              seam.CONVERSATION_ID: np.array([conversation], np.uint64),
+              seam.FRAME_INDEX: np.array([frame_index], np.int64),
+              seam.FINAL: np.array([final]),
+              seam.TEXT_PIECE: np.array([b" hi"], np.object_)}
+    service.handle(arrays, out.append, lambda e: (errors.append(e), done.set()))
+    assert done.wait(30)
+    return out, errors[0]
+
+
+def test_code2wav_keeps_state_per_conversation(code2wav):
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, seam.CODEBOOK_SIZE, (4, 8))
+    first = [decode(code2wav, 1, i, c)[0][0][contract.AUDIO_OUT] for i, c in enumerate(codes)]
+    assert all(a.shape == (1920,) and a.dtype == np.float32 for a in first)
+    out, error = decode(code2wav, 1, 4, codes[0], final=True)
+    assert error is None and out[0][contract.TEXT_OUT][0] == b" hi"
+    # frame index 0 starts afresh: the same codes decode to the same audio, beside another stream
+    again = []
+    for i, c in enumerate(codes):
+        decode(code2wav, 2, i, codes[::-1][i])
+        again.append(decode(code2wav, 1, i, c)[0][0][contract.AUDIO_OUT])
+    np.testing.assert_allclose(np.stack(again), np.stack(first), atol=1e-5)
+    assert not np.allclose(first[1], first[2])
+
+
+@pytest.mark.parametrize("codes, frame_index, message", [
+    ([1] * 7, 0, r"AGENT_CODES must be INT64 \[8\]"),
+    ([2048] * 8, 0, r"must lie in \[0, 2048\)"),
+    ([1] * 8, 3, "conversation 99 is not open"),
+])
+def test_code2wav_refuses_bad_frames(code2wav, codes, frame_index, message):
+    out, error = decode(code2wav, 99, frame_index, codes)
+    assert out == []
+    assert re.search(message, error)

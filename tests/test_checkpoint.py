@@ -138,6 +138,30 @@ def test_resolve_checkpoint_names_missing_voices(generated, tmp_path):
         loaders.resolve_checkpoint(copy)
 
 
+def test_voices_archive_is_extracted_on_first_use(generated, tmp_path):
+    """The published repository ships voices.tgz (holding voices/), not the folder."""
+    import tarfile
+
+    copy = _linked_copy(generated, tmp_path / "ckpt", skip=loaders.VOICES_DIR)
+    with tarfile.open(copy / loaders.VOICES_ARCHIVE, "w:gz") as tar:
+        tar.add(generated / loaders.VOICES_DIR, arcname=loaders.VOICES_DIR)
+    files = loaders.resolve_checkpoint(copy)
+    assert files.voice_names() == ["NATF0", "NATM0"]
+    assert files.voice_path("NATF0").name == "NATF0.pt" and files.voice_path("NATF0.wav").suffix == ".wav"
+    for name in ("X", "../voices/NATF0.wav"):
+        with pytest.raises(loaders.CheckpointError, match="unknown voice .*NATF0, NATM0"):
+            files.voice_path(name)
+
+
+def test_unreachable_hub_repo_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    with pytest.raises(loaders.CheckpointError, match="nvidia/personaplex-7b-v1.*could not be fetched"):
+        loaders.resolve_checkpoint("nvidia/personaplex-7b-v1")
+    with pytest.raises(loaders.CheckpointError, match="does not exist"):
+        loaders.resolve_checkpoint(tmp_path / "no-such-folder")
+
+
 def test_safetensors_use_the_reference_key_layout(generated):
     """Fused attention projections, as NVIDIA/personaplex's modules (and the published files)."""
     lm_keys = _keys(generated / loaders.MOSHI_NAME)

@@ -123,11 +123,12 @@ class CheckpointFiles:
         return sorted({p.stem for p in self.voices.iterdir() if p.suffix in (".pt", ".wav")})
 
     def voice_path(self, name: str) -> Path:
-        """The prompt file of a voice: NAME.pt (embedding bundle) preferred over NAME.wav."""
-        stem = name[:-3] if name.endswith(".pt") else name[:-4] if name.endswith(".wav") else name
-        for suffix in (".pt", ".wav"):
-            path = self.voices / f"{stem}{suffix}"
-            if path.is_file():
+        """The prompt file of a voice: NAME.pt (embedding bundle), else NAME.wav; a name
+        with its suffix picks that file."""
+        candidates = [name] if name.endswith((".pt", ".wav")) else [f"{name}.pt", f"{name}.wav"]
+        for candidate in candidates:
+            path = self.voices / candidate
+            if "/" not in candidate and path.is_file():
                 return path
         raise CheckpointError(
             f"unknown voice {name!r}; this checkpoint has: {', '.join(self.voice_names()) or 'none'}")

@@ -6,7 +6,8 @@ $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny), then streams samples/user.wav t
   - one conversation, one frame in flight: the per-frame round trip (Mimi encode, LM step,
     depformer, Mimi decode, Triton), frame after frame;
   - N conversations at once, one frame in flight each: the same when N share each tick;
-  - one conversation, 8 frames in flight: throughput in frames per second.
+  - one conversation, 8 frames in flight: throughput in frames per second;
+  - one conversation whose persona was seen before: first audio without the prefill.
 Writes bench/results/cpu_latency.{json,md,png}. Medians of one run; machines are noisy.
 
     make bench-cpu          (or: .venv/bin/python bench/cpu_latency.py --conversations 1 2 4)
@@ -29,12 +30,18 @@ from personaplex_triton.launch import REPO_ROOT, TritonServer
 RESULTS = REPO_ROOT / "bench" / "results"
 
 
-def concurrent(url, pcm, n, max_in_flight):
+NAMES = ("Anna", "Boris", "Clara", "David", "Emma", "Felix", "Grace", "Henry")
+TOPICS = ("travel", "banking", "cooking", "gardening", "music", "sports")
+
+
+def concurrent(url, pcm, n, max_in_flight, topic):
+    """n conversations at once, each with its own role prompt (a new persona, which pays its
+    prefill unless the server saw that prompt before)."""
     results = [None] * n
 
     def talk(i):
-        results[i] = stream_conversation(pcm, url=url, max_in_flight=max_in_flight,
-                                         persona=Persona(voice="NATF0", seed=i))
+        persona = Persona(voice="NATF0", text_prompt=f"You are {NAMES[i]}. You help with {topic}.", seed=i)
+        results[i] = stream_conversation(pcm, url=url, max_in_flight=max_in_flight, persona=persona)
 
     threads = [threading.Thread(target=talk, args=(i,)) for i in range(n)]
     for t in threads:
@@ -66,9 +73,12 @@ def main():
     launched = time.monotonic()
     with TritonServer(log_path=RESULTS / "tritonserver.log") as server:
         ready_s = server.ready_s
-        rows = [row(f"{n} conversation(s), 1 frame in flight each", concurrent(server.grpc_url, pcm, n, 1))
-                for n in args.conversations]
-        rows.append(row("1 conversation, 8 frames in flight", concurrent(server.grpc_url, pcm, 1, 8)))
+        url = server.grpc_url
+        rows = [row(f"{n} conversation(s), 1 frame in flight each", concurrent(url, pcm, n, 1, topic))
+                for n, topic in zip(args.conversations, TOPICS)]
+        rows.append(row("1 conversation, 8 frames in flight", concurrent(url, pcm, 1, 8, TOPICS[-1])))
+        rows.append(row("1 conversation, a persona seen before (cached prefill)",
+                        concurrent(url, pcm, 1, 1, TOPICS[0])))
     report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {_cpus()} CPUs, no GPU",
               "python": platform.python_version(), "time_to_ready_s": round(ready_s, 2),
               "bench_wall_s": round(time.monotonic() - launched, 1), "audio_s_per_conversation": args.seconds,
@@ -103,7 +113,7 @@ def plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report["rows"] if "1 frame in flight" in r["run"]]
+    rows = [r for r in report["rows"] if "in flight each" in r["run"]]
     n = [r["conversations"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     left.plot(n, [r["frame_ms_p50"] for r in rows], "o-", label="p50")

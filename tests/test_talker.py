@@ -175,3 +175,29 @@ def test_user_audio_changes_output(talker, wav_voice, user_frames):
 def test_invalid_sampling_rejected(talker, wav_voice, params, message):
     with pytest.raises(ValueError, match=message):
         talker.start(0, setup(wav_voice, **params))
+
+
+def test_cached_persona_starts_at_once_with_the_same_output(talker, wav_voice, user_frames):
+    from personaplex_triton.talker import PersonaCache
+
+    prompt = "You are a wise and friendly teacher."
+    fresh = converse(talker, 0, setup(wav_voice, talker.tokenizer, prompt, seed=21), user_frames)
+    fresh_other_seed = converse(talker, 0, setup(wav_voice, talker.tokenizer, prompt, seed=22), user_frames)
+    talker.persona_cache = PersonaCache(2)
+    try:
+        first = converse(talker, 1, setup(wav_voice, talker.tokenizer, prompt, seed=21), user_frames)
+        assert len(talker.persona_cache) == 1
+        talker.start(2, setup(wav_voice, talker.tokenizer, prompt, seed=22))
+        assert not talker.prefilling(2)  # no prefill: the cached state is in place
+        talker.stop(2)
+        cached = converse(talker, 2, setup(wav_voice, talker.tokenizer, prompt, seed=22), user_frames)
+        assert first == fresh
+        assert cached == fresh_other_seed
+        for prompt_ in ("Be brief.", "Talk about cooking."):  # capacity 2: the oldest goes
+            converse(talker, 0, setup(wav_voice, talker.tokenizer, prompt_, seed=1), user_frames[:1])
+        assert len(talker.persona_cache) == 2
+        talker.start(0, setup(wav_voice, talker.tokenizer, prompt, seed=21))
+        assert talker.prefilling(0)
+        talker.stop(0)
+    finally:
+        talker.persona_cache = PersonaCache(0)

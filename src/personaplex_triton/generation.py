@@ -38,6 +38,13 @@ class StepInputs:
     embed_rows: torch.Tensor | None = None
 
 
+def _batch_tensors(state, batch_size: int):
+    """(name, tensor) of a moshi streaming state's per-row tensors (batch dim first)."""
+    for name, value in vars(state).items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
+            yield name, value
+
+
 class SlotGenerator:
     """The token grids of `num_slots` conversations over one streaming `LMModel`."""
 
@@ -82,6 +89,40 @@ class SlotGenerator:
         self.sampling.set(slot, params)
         self.max_top_k = max(int(self.sampling.top_k.max()), 1)
         self.max_top_k_text = max(int(self.sampling.top_k_text.max()), 1)
+
+    def snapshot(self, slot: int) -> dict:
+        """A copy of everything `slot` has accumulated: its token grid and the temporal
+        transformer's streaming state (KV cache up to its length, offsets)."""
+        snap = {"cache": self.cache[slot].clone(), "provided": self.provided[slot].clone(),
+                "offset": self.offset[slot].clone(), "modules": []}
+        for state in self._transformer_states():
+            rows = {name: value[slot].clone() for name, value in _batch_tensors(state, self.num_slots)}
+            kv = getattr(state, "kv_cache", None)
+            if kv is not None:
+                length = min(int(kv.end_offset[slot]), kv.capacity)
+                rows["kv"] = kv.cache[:, slot, :, :length].clone()
+                rows["kv_end_offset"] = kv.end_offset[slot].clone()
+            snap["modules"].append(rows)
+        return snap
+
+    def restore(self, slot: int, snap: dict) -> None:
+        """Put a snapshot (of any slot) into `slot`."""
+        self.cache[slot] = snap["cache"]
+        self.provided[slot] = snap["provided"]
+        self.offset[slot] = snap["offset"]
+        for state, rows in zip(self._transformer_states(), snap["modules"], strict=True):
+            for name, value in _batch_tensors(state, self.num_slots):
+                value[slot] = rows[name]
+            if "kv" in rows:
+                kv = state.kv_cache
+                kv.cache[:, slot, :, :rows["kv"].shape[2]] = rows["kv"]
+                kv.end_offset[slot] = rows["kv_end_offset"]
+
+    def _transformer_states(self):
+        for module in self.lm.transformer.modules():
+            state = getattr(module, "_streaming_state", None)
+            if state is not None:
+                yield state
 
     def restore_cache(self, slot: int, cache: torch.Tensor) -> None:
         """Set a slot's token ring buffer, as a voice-prompt bundle does after its replay."""

@@ -42,10 +42,10 @@ def load_voice(path: Path) -> VoicePrompt:
         embeddings, cache = bundle["embeddings"], bundle["cache"]
         if embeddings.dim() != 4 or cache.dim() != 3:
             raise loaders.CheckpointError(f"{path}: not a PersonaPlex voice bundle")
-        return VoicePrompt(path.stem, embeddings=embeddings.float(), cache=cache[0].long())
+        return VoicePrompt(path.name, embeddings=embeddings.float(), cache=cache[0].long())
     pcm = audio.read_wav(path, SAMPLE_RATE)
     pcm = audio.loudness_normalize(pcm, SAMPLE_RATE, loaders.VOICE_PROMPT_LUFS)
-    return VoicePrompt(path.stem, frames=audio.split_frames(pcm.astype(np.float32), FRAME_SAMPLES))
+    return VoicePrompt(path.name, frames=audio.split_frames(pcm.astype(np.float32), FRAME_SAMPLES))
 
 
 def wrap_system_prompt(text: str) -> str:
@@ -67,6 +67,12 @@ def system_prompt_tokens(tokenizer, text: str) -> tuple[int, ...]:
 class Persona:
     voice: VoicePrompt
     text_tokens: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple:
+        """What the prefill depends on: the voice file and the prompt's tokens (not the
+        sampling settings: every prefill token is forced)."""
+        return (self.voice.name, self.text_tokens)
 
     @property
     def prefill_steps(self) -> int:

@@ -104,7 +104,7 @@ class TalkerService:
     """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame."""
 
     def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu",
-                 idle_timeout_s: float = 60.0):
+                 idle_timeout_s: float = 60.0, persona_cache_size: int = 16):
         from .persona import PersonaLibrary
         from .talker import Talker
 
@@ -112,7 +112,7 @@ class TalkerService:
         lm = loaders.get_lm(files, device)
         mimi = loaders.get_mimi(files, device)
         tokenizer = loaders.get_tokenizer(files)
-        self.talker = Talker(lm, mimi, tokenizer, max_conversations)
+        self.talker = Talker(lm, mimi, tokenizer, max_conversations, persona_cache_size)
         self.personas = PersonaLibrary(files, tokenizer)
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s)
         self._frame_index: dict[int, int] = {}

@@ -8,6 +8,7 @@ and the agent's 8 codebooks plus text token come out, aligned for the Mimi decod
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -72,10 +73,40 @@ class AgentStep:
     text_token: int
 
 
+class PersonaCache:
+    """Model state after each persona's prefill (least recently used first out), so that a
+    conversation with a persona seen before starts at once instead of after its prefill."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._snapshots: OrderedDict[tuple, dict] = OrderedDict()
+
+    def get(self, key: tuple) -> dict | None:
+        snap = self._snapshots.get(key)
+        if snap is not None:
+            self._snapshots.move_to_end(key)
+        return snap
+
+    def put(self, key: tuple, snap: dict) -> None:
+        if self.capacity <= 0:
+            return
+        self._snapshots[key] = snap
+        self._snapshots.move_to_end(key)
+        while len(self._snapshots) > self.capacity:
+            self._snapshots.popitem(last=False)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._snapshots
+
+    def __len__(self) -> int:
+        return len(self._snapshots)
+
+
 class _Slot:
-    def __init__(self, program: Iterator[PrefillStep]):
+    def __init__(self, program: Iterator[PrefillStep] | None, persona_key: tuple):
         self.program = program
-        self.next: PrefillStep | None = next(program, None)
+        self.persona_key = persona_key
+        self.next: PrefillStep | None = None if program is None else next(program, None)
 
     @property
     def prefilling(self) -> bool:
@@ -83,7 +114,7 @@ class _Slot:
 
 
 class Talker:
-    def __init__(self, lm, mimi, tokenizer, num_slots: int):
+    def __init__(self, lm, mimi, tokenizer, num_slots: int, persona_cache_size: int = 0):
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
@@ -91,6 +122,7 @@ class Talker:
         self.generator = SlotGenerator(lm, num_slots)
         self.mimi = MimiSlots(mimi, num_slots)
         self.slots: list[_Slot | None] = [None] * num_slots
+        self.persona_cache = PersonaCache(persona_cache_size)
         self.last_embeddings: torch.Tensor | None = None  # [S, 1, dim] of the last tick
         self._vocab = tokenizer.get_piece_size()
 
@@ -105,7 +137,12 @@ class Talker:
             raise ValueError(f"top-k must be <= {self.lm.card} (audio) and <= {self.lm.text_card} (text)")
         self.generator.start(slot, params)
         self.mimi.reset([slot])
-        self.slots[slot] = _Slot(prefill_program(persona, self.lm.initial_token_id))
+        cached = self.persona_cache.get(persona.key)
+        if cached is not None:
+            self.generator.restore(slot, cached)
+            self.slots[slot] = _Slot(None, persona.key)
+        else:
+            self.slots[slot] = _Slot(prefill_program(persona, self.lm.initial_token_id), persona.key)
 
     def stop(self, slot: int) -> None:
         self.slots[slot] = None
@@ -151,6 +188,8 @@ class Talker:
             state.next = next(state.program, None)
             if state.next is None:  # prefill done: Mimi starts afresh on the user's audio
                 self.mimi.reset([s])
+                if state.persona_key not in self.persona_cache:
+                    self.persona_cache.put(state.persona_key, self.generator.snapshot(s))
         tokens, has_output = tokens.cpu(), has_output.cpu()
         return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].numpy().copy(), int(tokens[s, 0]))
                 for s in live if has_output[s]}
@@ -190,7 +229,10 @@ def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:
     bundle for it: the summed input embeddings of steps 1..N-1 and the ring buffer after."""
     if voice.frames is None:
         raise ValueError("a voice bundle is made from a WAV voice prompt")
-    talker.start(0, TalkerSetup(Persona(voice, ()), SamplingParams(greedy=True)))
+    persona = Persona(voice, ())
+    if persona.key in talker.persona_cache:
+        raise ValueError("this voice's prefill is cached: make bundles on a talker without a persona cache")
+    talker.start(0, TalkerSetup(persona, SamplingParams(greedy=True)))
     embeddings = []
     for i in range(len(voice.frames)):
         talker.tick({})

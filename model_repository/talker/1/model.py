@@ -12,7 +12,8 @@ class TritonPythonModel:
         params = model_parameters(args)
         self.service = TalkerService(
             checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
-            pick_device(params.get("device", "auto")), float(params["idle_timeout_s"]))
+            pick_device(params.get("device", "auto")), float(params["idle_timeout_s"]),
+            int(params["persona_cache_size"]))
 
     def execute(self, requests):
         for request in requests:

@@ -1,11 +1,11 @@
 """Per-tick time of the two stages on a GPU, with PersonaPlex's 7B architecture (random bf16
-weights) and a full-size Mimi, for several numbers of live conversations. Eager PyTorch: no
-CUDA graphs yet, so this is the baseline they are measured against.
+weights) and a full-size Mimi, for several numbers of live conversations. The talker's model
+step runs under CUDA graphs (`--no-cuda-graphs`: eager, the baseline).
 
     python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 32 64 --out bench/results
     python bench/gpu_step.py --from-json bench/results/gpu_step.json   (table and plot again)
 
-Writes gpu_step.json, gpu_step.md and gpu_step.png under --out. A tick = Mimi-encode every slot's user
+Writes gpu_step.{json,md,png} (gpu_step_eager.* with --no-cuda-graphs) under --out. A tick = Mimi-encode every slot's user
 frame, one temporal-transformer step, the 16-codebook depformer, sampling, results on the
 host (Talker.tick); code2wav = one batched streaming Mimi decode (Code2Wav.tick).
 """
@@ -51,9 +51,11 @@ def main():
     parser.add_argument("--tokenizer", type=Path, help="a SentencePiece model (any)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="the talker's model step eager")
     args = parser.parse_args()
     if args.from_json:
-        return write_report(json.loads(args.from_json.read_text()), args.out)
+        report = json.loads(args.from_json.read_text())
+        return write_report(report, args.out, args.from_json.stem)
     if args.tokenizer is None:
         parser.error("--tokenizer is required for a run")
 
@@ -72,7 +74,7 @@ def main():
     rows = []
     for slots in args.slots:
         torch.cuda.reset_peak_memory_stats()
-        talker = Talker(lm, mimi, tokenizer, slots)
+        talker = Talker(lm, mimi, tokenizer, slots, cuda_graphs=not args.no_cuda_graphs)
         for s in range(slots):
             talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
         while talker.prefilling(0):
@@ -94,22 +96,23 @@ def main():
 
     report = {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(),
-              "lm_parameters": params, "dtype": "bfloat16", "cuda_graphs": False,
+              "lm_parameters": params, "dtype": "bfloat16", "cuda_graphs": not args.no_cuda_graphs,
               "build_s": round(build_s, 1), "steps": args.steps, "rows": rows}
-    write_report(report, args.out)
+    write_report(report, args.out, "gpu_step" if report["cuda_graphs"] else "gpu_step_eager")
 
 
-def write_report(report, out: Path) -> None:
+def write_report(report, out: Path, name: str) -> None:
     rows, steps = report["rows"], report["steps"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_step.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"# GPU tick times ({report['date']}, {report['gpu']}, torch {report['torch']}, eager)", "",
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    mode = "CUDA graphs" if report["cuda_graphs"] else "eager"
+    lines = [f"# GPU tick times ({report['date']}, {report['gpu']}, torch {report['torch']}, {mode})", "",
              f"PersonaPlex 7B architecture, {report['lm_parameters'] / 1e9:.2f} B parameters, random bf16 "
              f"weights; median of {steps} ticks. Command: `python bench/gpu_step.py --tokenizer ...`.", "",
              "| live conversations | talker tick (ms) | code2wav tick (ms) | peak GPU memory (GiB) |",
              "| ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['slots']} | {r['talker_tick_ms']} | {r['code2wav_tick_ms']} | {r['peak_gib']} |" for r in rows]
-    (out / "gpu_step.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
     import matplotlib
@@ -123,9 +126,9 @@ def write_report(report, out: Path) -> None:
     ax.axhline(80, color="grey", lw=0.8, label="real time (80 ms)")
     ax.set(xscale="log", xticks=slots, xticklabels=slots, xlabel="live conversations", ylabel="ms per tick")
     ax.legend()
-    ax.set_title(f"{report['gpu']}, eager, {report['date']}", fontsize=9)
+    ax.set_title(f"{report['gpu']}, talker {mode}, {report['date']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / "gpu_step.png", dpi=110)
+    fig.savefig(out / f"{name}.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from moshi.utils.compile import CUDAGraphed
 
 from .sampling import SamplingParams, SlotSampling, sample
 
@@ -48,7 +49,7 @@ def _batch_tensors(state, batch_size: int):
 class SlotGenerator:
     """The token grids of `num_slots` conversations over one streaming `LMModel`."""
 
-    def __init__(self, lm, num_slots: int):
+    def __init__(self, lm, num_slots: int, cuda_graphs: bool = True):
         self.lm = lm
         self.num_slots = num_slots
         device = lm.device
@@ -65,6 +66,8 @@ class SlotGenerator:
         self.sampling = SlotSampling(num_slots, device)
         self.max_top_k = 1
         self.max_top_k_text = 1
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self._graphs: dict[tuple[int, int], CUDAGraphed] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
 
@@ -176,21 +179,10 @@ class SlotGenerator:
         if inputs.embeddings is not None:
             emb = torch.where(inputs.embed_rows[:, None, None], inputs.embeddings.to(emb), emb)
         lm.set_exec_mask(active)
-        transformer_out = lm.transformer(emb)
-        if lm.out_norm:
-            transformer_out = lm.out_norm(transformer_out)
-        text_logits = lm.text_linear(transformer_out)[:, 0]
-
-        smp = self.sampling
-        text = sample(text_logits, smp.greedy, smp.temperature_text, smp.top_k_text,
-                      smp.seed, o, 0, self.max_top_k_text)
-        audio = self._depformer(transformer_out, torch.where(target_provided[:, 0], target[:, 0], text),
-                                target[:, 1:], target_provided[:, 1:], o)
+        sampled = self._graphed_model_step()(emb, target, target_provided, o)
 
         # 4. samples fill position o where nothing was forced; o - 1 is done.
-        sampled = torch.cat([text[:, None], audio], dim=1)
-        keep = self.provided.gather(2, dst)[:, :, 0] | ~active[:, None]
-        self._scatter(dst[:, :, 0], sampled, ~keep)
+        self._scatter(dst[:, :, 0], sampled, ~(target_provided | ~active[:, None]))
         clear = ((o - 1) % CT)[:, None].expand(S, K)
         self.provided[rows[:, None], torch.arange(K, device=self.device)[None, :], clear] &= ~active[:, None]
 
@@ -199,6 +191,28 @@ class SlotGenerator:
         tokens = self.cache.gather(2, out_pos[:, :, None])[:, :, 0]
         self.offset = torch.where(active, o + 1, o)
         return tokens, has_output, emb
+
+    def _graphed_model_step(self) -> CUDAGraphed:
+        """The model's part of a step, under a CUDA graph on GPUs (eager PyTorch is
+        launch-bound there); one graph per top-k bound, as those set the shapes."""
+        key = (self.max_top_k_text, self.max_top_k)
+        if key not in self._graphs:
+            self._graphs[key] = CUDAGraphed(self._model_step, disable=not self.cuda_graphs)
+        return self._graphs[key]
+
+    def _model_step(self, emb, target, target_provided, step):
+        """Temporal transformer on the input embeddings [S, 1, dim], then the text token and
+        the 16 depformer codebooks: [S, 17] sampled tokens of position `step`."""
+        lm, smp = self.lm, self.sampling
+        transformer_out = lm.transformer(emb)
+        if lm.out_norm:
+            transformer_out = lm.out_norm(transformer_out)
+        text_logits = lm.text_linear(transformer_out)[:, 0]
+        text = sample(text_logits, smp.greedy, smp.temperature_text, smp.top_k_text,
+                      smp.seed, step, 0, self.max_top_k_text)
+        first = torch.where(target_provided[:, 0], target[:, 0], text)
+        audio = self._depformer(transformer_out, first, target[:, 1:], target_provided[:, 1:], step)
+        return torch.cat([text[:, None], audio], dim=1)
 
     def _depformer(self, transformer_out, first_input, forced, forced_mask, step):
         lm, smp = self.lm, self.sampling

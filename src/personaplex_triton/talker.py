@@ -114,12 +114,13 @@ class _Slot:
 
 
 class Talker:
-    def __init__(self, lm, mimi, tokenizer, num_slots: int, persona_cache_size: int = 0):
+    def __init__(self, lm, mimi, tokenizer, num_slots: int, persona_cache_size: int = 0,
+                 cuda_graphs: bool = True):
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
         self.device = lm.device
-        self.generator = SlotGenerator(lm, num_slots)
+        self.generator = SlotGenerator(lm, num_slots, cuda_graphs)
         self.mimi = MimiSlots(mimi, num_slots)
         self.slots: list[_Slot | None] = [None] * num_slots
         self.persona_cache = PersonaCache(persona_cache_size)

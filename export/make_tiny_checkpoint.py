@@ -16,6 +16,9 @@ real weights (personaplex_triton.loaders) reads it too:
                                                   export/tokenizer_corpus.txt (0 unk, 1 bos,
                                                   2 eos, 3 pad, "<system>" one piece)
     voices/NAME.wav                               copies of export/voice_prompts/*.wav
+    voices/NAME.pt                                their embedding bundles (PersonaPlex's .pt
+                                                  format), made by playing each WAV prompt
+                                                  through the LM and Mimi above
     config.json                                   the LM width keys (loaders.LM_SIZE_KEYS)
     .generated                                    stamp: tool version, seed, input digests
                                                   (ignored by the loader)

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 
-.PHONY: all venv checkpoint demo serve test bench-cpu clean
+.PHONY: all venv checkpoint demo serve test bench-serve clean
 
 all: test
 
@@ -31,9 +31,9 @@ serve: venv $(if $(PERSONAPLEX_CHECKPOINT),,checkpoint)
 test: checkpoint
 	$(PY) -m pytest -q
 
-bench-cpu: checkpoint
+bench-serve: checkpoint
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) bench/cpu_latency.py
+	$(PY) bench/serve_latency.py
 
 clean:
 	rm -rf out .pytest_cache

@@ -11,6 +11,7 @@ runs `python3` from there), and this interpreter's libpython on LD_LIBRARY_PATH.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import socket
@@ -28,9 +29,10 @@ CPU_FLAGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0
 
 
 def _bundled_tritonserver() -> tuple[Path, Path]:
-    import pytriton
-
-    root = Path(pytriton.__file__).parent / "tritonserver"
+    spec = importlib.util.find_spec("pytriton")  # located, not imported: its client needs gevent
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("no tritonserver on PATH and the nvidia-pytriton package is not installed")
+    root = Path(spec.submodule_search_locations[0]) / "tritonserver"
     backends = root / "backends"
     version = "%d.%d" % sys.version_info[:2]
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"

@@ -8,9 +8,10 @@ $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny), then streams samples/user.wav t
   - N conversations at once, one frame in flight each: the same when N share each tick;
   - one conversation, 8 frames in flight: throughput in frames per second;
   - one conversation whose persona was seen before: first audio without the prefill.
-Writes bench/results/cpu_latency.{json,md,png}. Medians of one run; machines are noisy.
+Writes bench/results/{cpu,gpu}_latency.{json,md,png} (gpu_ where CUDA is present). Medians of
+one run; machines are noisy.
 
-    make bench-cpu          (or: .venv/bin/python bench/cpu_latency.py --conversations 1 2 4)
+    make bench-serve        (or: .venv/bin/python bench/serve_latency.py --conversations 1 2 4)
 """
 
 import argparse
@@ -79,27 +80,34 @@ def main():
         rows.append(row("1 conversation, 8 frames in flight", concurrent(url, pcm, 1, 8, TOPICS[-1])))
         rows.append(row("1 conversation, a persona seen before (cached prefill)",
                         concurrent(url, pcm, 1, 1, TOPICS[0])))
-    report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {_cpus()} CPUs, no GPU",
+    report = {"date": date.today().isoformat(), "machine": _machine(),
               "python": platform.python_version(), "time_to_ready_s": round(ready_s, 2),
               "bench_wall_s": round(time.monotonic() - launched, 1), "audio_s_per_conversation": args.seconds,
               "rows": rows}
+    name = "gpu_latency" if _gpu() else "cpu_latency"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cpu_latency.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "cpu_latency.md").write_text(markdown(report))
-    plot(report, RESULTS / "cpu_latency.png")
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(report))
+    plot(report, RESULTS / f"{name}.png")
     print(markdown(report))
 
 
-def _cpus():
+def _gpu() -> str | None:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def _machine() -> str:
     import os
-    return len(os.sched_getaffinity(0))
+    gpu = _gpu()
+    return f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, {gpu or 'no GPU'}"
 
 
 def markdown(report):
-    lines = [f"# CPU latency ({report['date']}, {report['machine']}, Python {report['python']})", "",
+    lines = [f"# Served latency ({report['date']}, {report['machine']}, Python {report['python']})", "",
              f"Time to ready: {report['time_to_ready_s']} s. User audio: {report['audio_s_per_conversation']} s "
              "per conversation. Frame latency = send to receive of one frame (frame 0, which waits "
-             "for the persona prefill, left out). Command: `make bench-cpu`.", "",
+             "for the persona prefill, left out). Command: `make bench-serve`.", "",
              "| run | frames | first audio (ms, median) | frame p50 (ms) | frame p95 (ms) | frames/s |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["rows"]:

@@ -46,11 +46,12 @@ class CountingStage:
 
 class Collector:
     def __init__(self):
-        self.outputs, self.errors = [], []
+        self.outputs, self.indices, self.errors = [], [], []
         self.done = threading.Event()
 
-    def on_output(self, output):
+    def on_output(self, output, index):
         self.outputs.append(output)
+        self.indices.append(index)
 
     def on_done(self, error):
         self.errors.append(error)
@@ -82,6 +83,7 @@ def test_items_answered_once_each_in_order(engine):
     assert c.errors == [None]
     c = run(engine, 1, [10, 11])
     assert c.outputs == [(10, 6), (11, 7)]
+    assert c.indices == [5, 6]  # counted over the whole conversation
 
 
 def test_conversations_share_ticks(engine):
@@ -111,7 +113,7 @@ def test_slot_limit_and_release(engine):
         engine.open(1, None)
     run(engine, 1, [1], close=True)
     with pytest.raises(ConversationError, match="not open"):
-        engine.submit(1, [2], lambda o: None, lambda e: None)
+        engine.submit(1, [2], lambda o, i: None, lambda e: None)
     engine.open(3, None)  # at once: the closed conversation's slot is as good as free
     assert sorted(engine.open_keys()) == [2, 3]
     assert run(engine, 3, ["x"]).outputs == [("x", 1)]

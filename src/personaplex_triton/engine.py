@@ -35,7 +35,7 @@ class Stage(Protocol):
 @dataclass
 class _Request:
     items: list
-    on_output: Callable[[Any], None]       # called once per item, in order
+    on_output: Callable[[Any, int], None]  # (output, its index in the conversation), in order
     on_done: Callable[[str | None], None]  # called once, with an error message or None
     answered: int = 0
 
@@ -48,6 +48,7 @@ class _Conversation:
     queue: deque = field(default_factory=deque)     # (request, item) pairs not yet ticked
     requests: list = field(default_factory=list)    # requests not yet done
     closing: bool = False
+    answered: int = 0  # items answered so far, over all its requests
     last_active: float = field(default_factory=time.monotonic)
 
 
@@ -198,7 +199,8 @@ class SlotEngine:
             if slot not in outputs:
                 self._fail(conv, "internal error: the stage produced no output for a frame")
                 continue
-            request.on_output(outputs[slot])
+            request.on_output(outputs[slot], conv.answered)
+            conv.answered += 1
             request.answered += 1
             if request.answered == len(request.items):
                 with self._cond:

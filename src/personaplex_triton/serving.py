@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -115,16 +114,12 @@ class TalkerService:
         self.talker = Talker(lm, mimi, tokenizer, max_conversations, persona_cache_size)
         self.personas = PersonaLibrary(files, tokenizer)
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s)
-        self._frame_index: dict[int, int] = {}
-        self._lock = threading.Lock()
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish) -> None:
         try:
             frames = audio_frames(arrays.get(contract.AUDIO_IN))
             if start:
                 self.engine.open(conversation, self._setup(arrays))
-                with self._lock:
-                    self._frame_index[conversation] = 0
             elif any(name in arrays for name in contract.PERSONA_INPUTS):
                 raise InputError(f"persona inputs ({', '.join(contract.PERSONA_INPUTS)}) are only "
                                  "accepted on the sequence-start request")
@@ -133,30 +128,21 @@ class TalkerService:
                 self.engine.submit(conversation, [], None, lambda _: None, close=True)
             finish(str(exc))
             return
-        answered = 0
+        first_index = None  # of this request's frames in the conversation
 
-        def on_output(step):
-            nonlocal answered
-            answered += 1
-            with self._lock:
-                index = self._frame_index[conversation]
-                self._frame_index[conversation] = index + 1
+        def on_output(step, index):
+            nonlocal first_index
+            first_index = index if first_index is None else first_index
             send({
                 seam.AGENT_CODES: step.codes.astype(np.int64),
                 seam.CONVERSATION_ID: np.array([conversation], dtype=np.uint64),
                 seam.FRAME_INDEX: np.array([index], dtype=np.int64),
-                seam.FINAL: np.array([end and answered == len(frames)], dtype=bool),
+                seam.FINAL: np.array([end and index - first_index == len(frames) - 1], dtype=bool),
                 seam.TEXT_PIECE: np.array([self.talker.text_piece(step.text_token).encode()], dtype=np.object_),
             })
 
-        def on_done(error):
-            if end or error:
-                with self._lock:
-                    self._frame_index.pop(conversation, None)
-            finish(error)
-
         try:
-            self.engine.submit(conversation, list(frames), on_output, on_done, close=end)
+            self.engine.submit(conversation, list(frames), on_output, finish, close=end)
         except ConversationError as exc:
             finish(str(exc))
 
@@ -205,7 +191,7 @@ class Code2WavService:
             return
         text_out = np.array([b""], dtype=np.object_) if text is None else text.reshape(1)
 
-        def on_output(pcm):
+        def on_output(pcm, _index):
             send({contract.AUDIO_OUT: pcm.astype(np.float32), contract.TEXT_OUT: text_out})
 
         try:

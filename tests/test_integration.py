@@ -183,12 +183,15 @@ def test_bad_input_is_refused_without_disturbing_others(server, solo, user_audio
     np.testing.assert_allclose(r.audio, solo.audio, atol=1e-4)
 
 
-def test_several_frames_per_request(server):
+def test_several_frames_per_request_and_an_empty_end(server):
     frames = np.random.default_rng(0).uniform(-0.5, 0.5, 3 * contract.FRAME_SAMPLES).astype(np.float32)
-    responses, error = raw_request(server, frames, 601, True, True, [voice_input("NATF0")])
-    assert error is None
-    assert len(responses) == 3
-    assert all(r.as_numpy(contract.AUDIO_OUT).shape == (contract.FRAME_SAMPLES,) for r in responses)
+    for _ in range(2):  # the id is free again once its sequence ended
+        responses, error = raw_request(server, frames, 601, True, False, [voice_input("NATF0")])
+        assert error is None
+        assert len(responses) == 3
+        assert all(r.as_numpy(contract.AUDIO_OUT).shape == (contract.FRAME_SAMPLES,) for r in responses)
+        responses, error = raw_request(server, np.zeros(0, np.float32), 601, False, True)
+        assert error is None and responses == []
 
 
 def test_cli_streams_any_wav_and_reports_json(server, tmp_path):

@@ -224,4 +224,5 @@ def test_realtime_pacing(server):
     assert result.frames_received == frames
     # one frame per 80 ms on an absolute schedule, although this server answers slower
     drift = np.array(result.send_offsets_s) - 0.080 * np.arange(frames)
-    assert np.abs(drift).max() < 0.03
+    assert np.median(np.abs(drift)) < 0.02  # a busy 2-core machine may delay a single send,
+    assert abs(drift[-1]) < 0.04            # but lateness never accumulates

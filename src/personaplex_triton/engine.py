@@ -65,7 +65,6 @@ class SlotEngine:
         self._free = list(range(stage.num_slots))[::-1]
         self._to_start: deque[_Conversation] = deque()
         self._running = True
-        self.ticks = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -189,7 +188,6 @@ class SlotEngine:
     def _tick(self, batch) -> None:
         try:
             outputs = self.stage.tick({slot: item for slot, (_, _, item) in batch.items()})
-            self.ticks += 1
         except Exception as exc:
             log.exception("tick failed")
             for conv, _, _ in batch.values():

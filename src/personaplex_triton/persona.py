@@ -74,10 +74,6 @@ class Persona:
         sampling settings: every prefill token is forced)."""
         return (self.voice.name, self.text_tokens)
 
-    @property
-    def prefill_steps(self) -> int:
-        return self.voice.num_frames + 2 * loaders.PREFILL_SILENCE_FRAMES + len(self.text_tokens)
-
 
 class PersonaLibrary:
     """The voices of a checkpoint (loaded once each) and the tokenizer for role prompts."""

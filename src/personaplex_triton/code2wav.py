@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from .mimi_stream import MimiSlots
-from .seam import NUM_AGENT_CODEBOOKS
 
 
 class Code2Wav:
@@ -26,13 +24,4 @@ class Code2Wav:
         return False
 
     def tick(self, items: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        if not items:
-            return {}
-        codes = torch.zeros(self.num_slots, NUM_AGENT_CODEBOOKS, dtype=torch.long)
-        active = torch.zeros(self.num_slots, dtype=torch.bool)
-        for slot, frame_codes in items.items():
-            codes[slot] = torch.from_numpy(np.asarray(frame_codes, dtype=np.int64))
-            active[slot] = True
-        device = self.mimi.device
-        pcm = self.mimi.decode(codes.to(device), active.to(device)).float().cpu().numpy()
-        return {slot: pcm[slot].copy() for slot in items}
+        return self.mimi.decode(items)

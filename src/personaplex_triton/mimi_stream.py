@@ -6,6 +6,7 @@ without a frame this tick untouched, and a reset mask restarts a row for a new c
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .contract import FRAME_SAMPLES
@@ -32,15 +33,32 @@ class MimiSlots:
         """Fresh encoder and decoder state for these slots."""
         self.mimi.reset_streaming(self._mask(slots))
 
-    @torch.no_grad()
-    def encode(self, pcm: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """pcm [S, 1920] float -> codes [S, 8] (rows outside `active` hold garbage)."""
-        self.mimi.set_exec_mask(active)
-        return self.mimi.encode(pcm.view(self.num_slots, 1, FRAME_SAMPLES))[:, :, 0]
+    def _batch(self, items: dict, shape: tuple, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-slot arrays -> one [S, *shape] batch on the device and the mask of its rows."""
+        batch = torch.zeros((self.num_slots, *shape), dtype=dtype)
+        active = torch.zeros(self.num_slots, dtype=torch.bool)
+        for slot, value in items.items():
+            batch[slot] = torch.as_tensor(np.asarray(value), dtype=dtype)
+            active[slot] = True
+        return batch.to(self.device), active.to(self.device)
 
     @torch.no_grad()
-    def decode(self, codes: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """codes [S, 8] -> pcm [S, 1920] (rows outside `active` hold garbage)."""
+    def encode(self, frames: dict[int, np.ndarray]) -> dict[int, torch.Tensor]:
+        """A [1920] frame per slot -> its codes [8] (int64, on the CPU), in one batched call."""
+        if not frames:
+            return {}
+        pcm, active = self._batch(frames, (FRAME_SAMPLES,), torch.float32)
         self.mimi.set_exec_mask(active)
-        codes = codes.view(self.num_slots, NUM_AGENT_CODEBOOKS, 1)
-        return self.mimi.decode(codes)[:, 0, :]
+        codes = self.mimi.encode(pcm.view(self.num_slots, 1, FRAME_SAMPLES))[:, :, 0].cpu()
+        return {slot: codes[slot] for slot in frames}
+
+    @torch.no_grad()
+    def decode(self, codes: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Codes [8] per slot -> its 1920 PCM samples (float32), in one batched call."""
+        if not codes:
+            return {}
+        batch, active = self._batch(codes, (NUM_AGENT_CODEBOOKS,), torch.long)
+        self.mimi.set_exec_mask(active)
+        pcm = self.mimi.decode(batch.view(self.num_slots, NUM_AGENT_CODEBOOKS, 1))[:, 0, :]
+        pcm = pcm.float().cpu().numpy()
+        return {slot: pcm[slot].copy() for slot in codes}

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from . import loaders
-from .contract import FRAME_SAMPLES
 from .generation import NUM_AUDIO, SlotGenerator, StepInputs
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
@@ -161,23 +160,13 @@ class Talker:
     @torch.no_grad()
     def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, AgentStep]:
         """One batched step: prefilling slots play their next prefill step, live slots in
-        `user_frames` their frame [FRAME_SAMPLES]. Returns the agent step of each live slot answered."""
-        S, dev = self.num_slots, self.device
+        `user_frames` their 1920-sample frame. Returns the agent step of each live slot answered."""
         prefill = {s: st.next for s, st in enumerate(self.slots) if st is not None and st.prefilling}
         live = {s: f for s, f in user_frames.items() if s not in prefill}
         if not prefill and not live:
             return {}
-
-        pcm = torch.zeros(S, FRAME_SAMPLES)
-        encode = torch.zeros(S, dtype=torch.bool)
-        for s, frame in live.items():
-            pcm[s] = torch.from_numpy(np.asarray(frame, dtype=np.float32))
-            encode[s] = True
-        for s, step in prefill.items():
-            if step.pcm is not None:
-                pcm[s] = torch.from_numpy(step.pcm)
-                encode[s] = True
-        codes = self.mimi.encode(pcm.to(dev), encode.to(dev)).cpu() if encode.any() else None
+        voice_frames = {s: step.pcm for s, step in prefill.items() if step.pcm is not None}
+        codes = self.mimi.encode({**live, **voice_frames})
 
         inputs = self._step_inputs(prefill, live, codes)
         tokens, has_output, self.last_embeddings = self.generator.step(inputs)

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 
-.PHONY: all venv checkpoint demo serve test bench-serve clean
+.PHONY: all venv checkpoint export demo serve test bench-serve clean
 
 all: test
 
@@ -15,20 +15,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, from its pinned CPU build; then the project; moshi without its torch<2.10 pin.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,export]'
 	$(PY) -m pip install -q --no-deps moshi==0.2.13
 	touch $@
 
 checkpoint: venv
 	$(PY) export/make_tiny_checkpoint.py --out $(CHECKPOINT)
 
-demo: checkpoint
+# Mimi to ONNX (cached by the hash of the checkpoint's Mimi weights, under build/mimi/), and
+# to TensorRT engines where tensorrt imports (a GPU host; else `docker compose run --rm mimi-engine`).
+export: venv $(if $(PERSONAPLEX_CHECKPOINT),,checkpoint)
+	$(PY) export/export_mimi.py
+	@if $(PY) -c "import tensorrt" 2>/dev/null; then $(PY) export/build_engine.py; \
+	else echo "tensorrt does not import here: ONNX only (Mimi runs on ONNX Runtime)"; fi
+
+demo: export
 	$(PY) scripts/demo.py
 
-serve: venv $(if $(PERSONAPLEX_CHECKPOINT),,checkpoint)
+serve: export
 	$(PY) -m personaplex_triton.launch
 
-test: checkpoint
+test: export
 	$(PY) -m pytest -q
 
 bench-serve: checkpoint

@@ -41,6 +41,7 @@ def main():
 
     from personaplex_triton import loaders
     from personaplex_triton.code2wav import Code2Wav
+    from personaplex_triton.mimi_runtime import TorchStepRunner
     from personaplex_triton.persona import Persona, VoicePrompt
     from personaplex_triton.sampling import SamplingParams
     from personaplex_triton.talker import Talker, TalkerSetup
@@ -74,7 +75,7 @@ def main():
     rows = []
     for slots in args.slots:
         torch.cuda.reset_peak_memory_stats()
-        talker = Talker(lm, mimi, tokenizer, slots, cuda_graphs=not args.no_cuda_graphs)
+        talker = Talker(lm, TorchStepRunner("encoder", mimi), tokenizer, slots, cuda_graphs=not args.no_cuda_graphs)
         for s in range(slots):
             talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
         while talker.prefilling(0):
@@ -82,12 +83,11 @@ def main():
         frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(slots)}
         talker_ms = timed(lambda: talker.tick(frames), args.steps)
         talker.close()
-        decoder = Code2Wav(moshi_loaders.get_mimi(None, device="cuda"), slots)
+        decoder = Code2Wav(TorchStepRunner("decoder", mimi), slots)
         codes = {s: rng.integers(0, 2048, 8) for s in range(slots)}
         for s in range(slots):
             decoder.start(s)
         code2wav_ms = timed(lambda: decoder.tick(codes), args.steps)
-        decoder.mimi.close()
         rows.append({"slots": slots, "talker_tick_ms": talker_ms, "code2wav_tick_ms": code2wav_ms,
                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
         print(rows[-1], flush=True)

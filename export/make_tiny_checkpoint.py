@@ -308,11 +308,14 @@ def write_voice_bundles(out_dir: Path) -> None:
     import torch
 
     from personaplex_triton import loaders
+    from personaplex_triton.mimi_runtime import open_step
     from personaplex_triton.persona import load_voice
     from personaplex_triton.talker import Talker, make_voice_bundle
 
     files = loaders.resolve_checkpoint(out_dir)
-    talker = Talker(loaders.get_lm(files), loaders.get_mimi(files), loaders.get_tokenizer(files), 1)
+    # torch: the ONNX export is made from the checkpoint, after it.
+    encoder = open_step("encoder", files, runtime="torch")
+    talker = Talker(loaders.get_lm(files), encoder, loaders.get_tokenizer(files), 1)
     try:
         for wav in sorted(files.voices.glob("*.wav")):
             torch.save(make_voice_bundle(talker, load_voice(wav)), wav.with_suffix(".pt"))

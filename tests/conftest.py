@@ -2,8 +2,9 @@
 
 `tiny_checkpoint` is the folder named by the environment variable PERSONAPLEX_TEST_CHECKPOINT,
 used as is, or else the generated development checkpoint in the repository's (git-ignored)
-checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; the tool is
-idempotent, so later sessions reuse it at no cost.
+checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; either way its Mimi
+is exported to ONNX (export/export_mimi.py), so the stages run on ONNX Runtime as served. Both
+tools are idempotent, so later sessions reuse their output at no cost.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import pytest
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MAKE_TINY_CHECKPOINT = REPO_ROOT / "export" / "make_tiny_checkpoint.py"
 TINY_CHECKPOINT_CACHE = REPO_ROOT / "checkpoints" / "tiny"
 
 
-def load_make_tiny_checkpoint():
-    """export/make_tiny_checkpoint.py as a module (export/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", MAKE_TINY_CHECKPOINT)
+def load_export_tool(name: str):
+    """export/<name>.py as a module (export/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "export" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,13 +31,13 @@ def load_make_tiny_checkpoint():
 
 @pytest.fixture(scope="session")
 def make_tiny():
-    return load_make_tiny_checkpoint()
+    return load_export_tool("make_tiny_checkpoint")
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(make_tiny) -> Path:
-    override = os.environ.get("PERSONAPLEX_TEST_CHECKPOINT")
-    if override:
-        return Path(override)
-    make_tiny.main(["--out", str(TINY_CHECKPOINT_CACHE)])
-    return TINY_CHECKPOINT_CACHE
+    checkpoint = Path(os.environ.get("PERSONAPLEX_TEST_CHECKPOINT") or TINY_CHECKPOINT_CACHE)
+    if checkpoint == TINY_CHECKPOINT_CACHE:
+        make_tiny.main(["--out", str(checkpoint)])
+    load_export_tool("export_mimi").main(["--checkpoint", str(checkpoint)])
+    return checkpoint

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from personaplex_triton import audio, loaders
+from personaplex_triton.mimi_runtime import open_step
 from personaplex_triton.persona import Persona, load_voice, system_prompt_tokens
 from personaplex_triton.sampling import SamplingParams
 from personaplex_triton.talker import Talker, TalkerSetup
@@ -44,7 +45,7 @@ def our_tokens(checkpoint: Path, voice: str) -> list[list[int]]:
     """Text token + agent cb0..7 per user frame, greedy, on a one-slot talker."""
     files = loaders.resolve_checkpoint(checkpoint)
     tokenizer = loaders.get_tokenizer(files)
-    talker = Talker(loaders.get_lm(files), loaders.get_mimi(files), tokenizer, 1)
+    talker = Talker(loaders.get_lm(files), open_step("encoder", files), tokenizer, 1)
     persona = Persona(load_voice(files.voices / voice), system_prompt_tokens(tokenizer, PROMPT))
     talker.start(0, TalkerSetup(persona, SamplingParams(greedy=True)))
     frames = audio.split_frames(audio.read_wav(USER_WAV))

@@ -1,7 +1,6 @@
 """End to end on a real `tritonserver` (the nvidia-pytriton build) with the real tritonclient."""
 
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton import audio, contract, loaders
-from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer
+from personaplex_triton.launch import TritonServer, model_parameter
 
 pytestmark = pytest.mark.integration
 
@@ -23,8 +22,7 @@ PROMPT = "You are a wise and friendly teacher. Answer questions or provide advic
 
 
 def pool_size(model: str) -> int:
-    config = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-    return int(re.search(r'key: "max_conversations" value: \{ string_value: "(\d+)" \}', config).group(1))
+    return int(model_parameter(model, "max_conversations"))
 
 
 @pytest.fixture(scope="session")
@@ -50,14 +48,15 @@ def solo(server, user_audio):
 def in_process(tiny_checkpoint):
     """The same two stages run in this process, without Triton, at the server's pool sizes."""
     from personaplex_triton.code2wav import Code2Wav
+    from personaplex_triton.mimi_runtime import open_step
     from personaplex_triton.persona import PersonaLibrary
     from personaplex_triton.sampling import SamplingParams
     from personaplex_triton.talker import Talker, TalkerSetup
 
     files = loaders.resolve_checkpoint(tiny_checkpoint)
     tokenizer = loaders.get_tokenizer(files)
-    talker = Talker(loaders.get_lm(files), loaders.get_mimi(files), tokenizer, pool_size("talker"))
-    decoder = Code2Wav(loaders.get_mimi(files), pool_size("code2wav"))
+    talker = Talker(loaders.get_lm(files), open_step("encoder", files), tokenizer, pool_size("talker"))
+    decoder = Code2Wav(open_step("decoder", files), pool_size("code2wav"))
     library = PersonaLibrary(files, tokenizer)
 
     def run(pcm, voice, prompt, seed):

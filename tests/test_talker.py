@@ -6,6 +6,7 @@ import torch
 
 from personaplex_triton import loaders
 from personaplex_triton.generation import StepInputs
+from personaplex_triton.mimi_runtime import open_step
 from personaplex_triton.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
 from personaplex_triton.sampling import SamplingParams
 from personaplex_triton.talker import Talker, TalkerSetup, make_voice_bundle, prefill_program
@@ -20,7 +21,7 @@ def files(tiny_checkpoint):
 
 @pytest.fixture(scope="session")
 def talker(files):
-    talker = Talker(loaders.get_lm(files), loaders.get_mimi(files), loaders.get_tokenizer(files), NUM_SLOTS)
+    talker = Talker(loaders.get_lm(files), open_step("encoder", files), loaders.get_tokenizer(files), NUM_SLOTS)
     yield talker
     talker.close()
 

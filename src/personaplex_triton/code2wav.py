@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 
 
 class Code2Wav:
     """A `Stage` of the slot engine: agent codes [8] in, 1920 PCM samples out, per slot."""
 
-    def __init__(self, mimi, num_slots: int):
+    def __init__(self, decoder: StepRunner, num_slots: int):
         self.num_slots = num_slots
-        self.mimi = MimiSlots(mimi, num_slots)
+        self.mimi = MimiSlots(decoder, num_slots)
 
     def start(self, slot: int, setup=None) -> None:
         self.mimi.reset([slot])

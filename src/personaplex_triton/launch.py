@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # No GPU pools, no GPU metrics: quiet and quick on a CPU-only machine; harmless on a GPU one.
 CPU_FLAGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
+
+
+def model_parameter(model: str, key: str, model_repository: Path = MODEL_REPOSITORY) -> str:
+    """A `parameters` value of a model's config.pbtxt."""
+    config = (model_repository / model / "config.pbtxt").read_text()
+    found = re.search(r'key: "%s" value: \{ string_value: "([^"]*)" \}' % re.escape(key), config)
+    if found is None:
+        raise KeyError(f"{model}/config.pbtxt has no parameter {key!r}")
+    return found.group(1)
 
 
 def _bundled_tritonserver() -> tuple[Path, Path]:

@@ -26,6 +26,8 @@ TOKENIZER_NAME = "tokenizer_spm_32k_3.model"
 VOICES_ARCHIVE = "voices.tgz"
 VOICES_DIR = "voices"
 CONFIG_NAME = "config.json"
+CHECKPOINT_ENV = "PERSONAPLEX_CHECKPOINT"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny"
 DEFAULT_REPO = "nvidia/personaplex-7b-v1"
 REQUIRED_FILES = (MOSHI_NAME, MIMI_NAME, TOKENIZER_NAME)
 
@@ -132,6 +134,12 @@ class CheckpointFiles:
                 return path
         raise CheckpointError(
             f"unknown voice {name!r}; this checkpoint has: {', '.join(self.voice_names()) or 'none'}")
+
+
+def checkpoint_spec(configured: str = "") -> str:
+    """The checkpoint to serve: the model config's value, else $PERSONAPLEX_CHECKPOINT, else
+    the generated development checkpoint of this repository."""
+    return configured or os.environ.get(CHECKPOINT_ENV) or str(DEFAULT_CHECKPOINT)
 
 
 def resolve_checkpoint(spec: str | os.PathLike) -> CheckpointFiles:

@@ -1,7 +1,9 @@
-"""Streaming Mimi for a pool of conversation slots: one batched call per tick.
+"""Streaming Mimi for a pool of conversation slots: one batched step per tick.
 
-Each slot is a batch row of one Mimi in streaming mode; moshi's exec mask leaves the rows
-without a frame this tick untouched, and a reset mask restarts a row for a new conversation.
+The pool holds every slot's state tensors ([slots, ...] each, offset first); a tick gathers
+the rows of the slots with a frame (a view when they are consecutive), runs one step of them
+on the runner and writes their new state back. A fresh stream is all zeros, so a reset zeroes
+a row.
 """
 
 from __future__ import annotations
@@ -9,56 +11,47 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .contract import FRAME_SAMPLES
-from .seam import NUM_AGENT_CODEBOOKS
+from .mimi_runtime import StepRunner
+from .mimi_steps import STEPS
 
 
 class MimiSlots:
-    def __init__(self, mimi, num_slots: int):
-        self.mimi = mimi
+    def __init__(self, runner: StepRunner, num_slots: int):
+        self.runner = runner
         self.num_slots = num_slots
-        self.device = next(mimi.parameters()).device
-        self._streaming = mimi.streaming(num_slots)
-        self._streaming.__enter__()
-
-    def close(self) -> None:
-        self._streaming.__exit__(None, None, None)
-
-    def _mask(self, slots) -> torch.Tensor:
-        mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        mask[list(slots)] = True
-        return mask
+        self.input = STEPS[runner.stage].input
+        self.state = [torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=runner.device)
+                      for spec in runner.state_specs]
 
     def reset(self, slots) -> None:
-        """Fresh encoder and decoder state for these slots."""
-        self.mimi.reset_streaming(self._mask(slots))
+        """Fresh state for these slots."""
+        rows = list(slots)
+        for tensor in self.state:
+            tensor[rows] = 0
 
-    def _batch(self, items: dict, shape: tuple, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-slot arrays -> one [S, *shape] batch on the device and the mask of its rows."""
-        batch = torch.zeros((self.num_slots, *shape), dtype=dtype)
-        active = torch.zeros(self.num_slots, dtype=torch.bool)
-        for slot, value in items.items():
-            batch[slot] = torch.as_tensor(np.asarray(value), dtype=dtype)
-            active[slot] = True
-        return batch.to(self.device), active.to(self.device)
+    def _step(self, items: dict[int, np.ndarray]) -> tuple[list[int], torch.Tensor]:
+        slots = sorted(items)
+        x = torch.stack([torch.as_tensor(np.asarray(items[s]), dtype=self.input.dtype) for s in slots])
+        x = x.view(len(slots), *self.input.shape).to(self.runner.device)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        rows = slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, device=x.device)
+        y, new_state = self.runner.run(x, [tensor[rows] for tensor in self.state])
+        for tensor, new in zip(self.state, new_state):
+            tensor[rows] = new.to(tensor.device)
+        return slots, y
 
-    @torch.no_grad()
     def encode(self, frames: dict[int, np.ndarray]) -> dict[int, torch.Tensor]:
-        """A [1920] frame per slot -> its codes [8] (int64, on the CPU), in one batched call."""
+        """A [1920] frame per slot -> its codes [8] (int64, on the CPU), in one batched step."""
         if not frames:
             return {}
-        pcm, active = self._batch(frames, (FRAME_SAMPLES,), torch.float32)
-        self.mimi.set_exec_mask(active)
-        codes = self.mimi.encode(pcm.view(self.num_slots, 1, FRAME_SAMPLES))[:, :, 0].cpu()
-        return {slot: codes[slot] for slot in frames}
+        slots, codes = self._step(frames)
+        codes = codes[:, :, 0].cpu()
+        return {slot: codes[i] for i, slot in enumerate(slots)}
 
-    @torch.no_grad()
     def decode(self, codes: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """Codes [8] per slot -> its 1920 PCM samples (float32), in one batched call."""
+        """Codes [8] per slot -> its 1920 PCM samples (float32), in one batched step."""
         if not codes:
             return {}
-        batch, active = self._batch(codes, (NUM_AGENT_CODEBOOKS,), torch.long)
-        self.mimi.set_exec_mask(active)
-        pcm = self.mimi.decode(batch.view(self.num_slots, NUM_AGENT_CODEBOOKS, 1))[:, 0, :]
-        pcm = pcm.float().cpu().numpy()
-        return {slot: pcm[slot].copy() for slot in codes}
+        slots, pcm = self._step(codes)
+        pcm = pcm[:, 0, :].float().cpu().numpy()
+        return {slot: pcm[i].copy() for i, slot in enumerate(slots)}

@@ -8,9 +8,7 @@ here is tested without a server. A service answers through two callbacks per req
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -24,18 +22,10 @@ log = logging.getLogger(__name__)
 Send = Callable[[dict], None]
 Finish = Callable[[str | None], None]
 
-CHECKPOINT_ENV = "PERSONAPLEX_CHECKPOINT"
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny"
 
 
 class InputError(ValueError):
     """A request that breaks the wire contract; the message names the problem."""
-
-
-def checkpoint_spec(configured: str = "") -> str:
-    """The checkpoint to serve: the model config's value, else $PERSONAPLEX_CHECKPOINT, else
-    the generated development checkpoint of this repository."""
-    return configured or os.environ.get(CHECKPOINT_ENV) or str(DEFAULT_CHECKPOINT)
 
 
 def pick_device(configured: str = "auto") -> str:
@@ -103,15 +93,16 @@ class TalkerService:
     """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame."""
 
     def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu",
-                 idle_timeout_s: float = 60.0, persona_cache_size: int = 16):
+                 idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto"):
+        from .mimi_runtime import open_step
         from .persona import PersonaLibrary
         from .talker import Talker
 
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device)
-        mimi = loaders.get_mimi(files, device)
+        self.mimi = open_step("encoder", files, mimi_runtime, device)
         tokenizer = loaders.get_tokenizer(files)
-        self.talker = Talker(lm, mimi, tokenizer, max_conversations, persona_cache_size)
+        self.talker = Talker(lm, self.mimi, tokenizer, max_conversations, persona_cache_size)
         self.personas = PersonaLibrary(files, tokenizer)
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s)
 
@@ -165,11 +156,14 @@ class TalkerService:
 class Code2WavService:
     """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out."""
 
-    def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu"):
+    def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu",
+                 mimi_runtime: str = "auto"):
         from .code2wav import Code2Wav
+        from .mimi_runtime import open_step
 
         files = loaders.resolve_checkpoint(checkpoint)
-        self.decoder = Code2Wav(loaders.get_mimi(files, device), max_conversations)
+        self.mimi = open_step("decoder", files, mimi_runtime, device)
+        self.decoder = Code2Wav(self.mimi, max_conversations)
         # Its conversations end when the talker says so (FINAL), or get replaced once idle.
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0)
 

@@ -17,6 +17,7 @@ import torch
 
 from . import loaders
 from .generation import NUM_AUDIO, SlotGenerator, StepInputs
+from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
 from .sampling import SamplingParams
@@ -113,14 +114,14 @@ class _Slot:
 
 
 class Talker:
-    def __init__(self, lm, mimi, tokenizer, num_slots: int, persona_cache_size: int = 0,
+    def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
                  cuda_graphs: bool = True):
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
         self.device = lm.device
         self.generator = SlotGenerator(lm, num_slots, cuda_graphs)
-        self.mimi = MimiSlots(mimi, num_slots)
+        self.mimi = MimiSlots(encoder, num_slots)
         self.slots: list[_Slot | None] = [None] * num_slots
         self.persona_cache = PersonaCache(persona_cache_size)
         self.last_embeddings: torch.Tensor | None = None  # [S, 1, dim] of the last tick
@@ -128,7 +129,6 @@ class Talker:
 
     def close(self) -> None:
         self.generator.close()
-        self.mimi.close()
 
     def start(self, slot: int, setup: "TalkerSetup") -> None:
         persona, params = setup.persona, setup.sampling

@@ -19,6 +19,11 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
+def log_info(message: str) -> None:
+    """Into tritonserver's log (shown with --log-info, the default)."""
+    pb_utils.Logger.log_info(message)
+
+
 def request_arrays(request, names) -> dict[str, np.ndarray]:
     arrays = {}
     for name in names:

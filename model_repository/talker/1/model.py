@@ -1,8 +1,8 @@
 """Stage 0 on Triton: decoupled, one response (agent codes + text) per input frame."""
 
-from personaplex_triton import contract
-from personaplex_triton.serving import TalkerService, checkpoint_spec, pick_device
-from personaplex_triton.triton_adapter import model_parameters, request_arrays, responder, sequence_flags
+from personaplex_triton import contract, loaders
+from personaplex_triton.serving import TalkerService, pick_device
+from personaplex_triton.triton_adapter import log_info, model_parameters, request_arrays, responder, sequence_flags
 
 INPUTS = (contract.AUDIO_IN, *contract.PERSONA_INPUTS)
 
@@ -11,9 +11,10 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         self.service = TalkerService(
-            checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
+            loaders.checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
             pick_device(params.get("device", "auto")), float(params["idle_timeout_s"]),
-            int(params["persona_cache_size"]))
+            int(params["persona_cache_size"]), params["mimi_runtime"])
+        log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
 
     def execute(self, requests):
         for request in requests:

@@ -1,0 +1,180 @@
+"""Where a Mimi step runs: TensorRT, ONNX Runtime or PyTorch, behind one interface.
+
+A runner takes one 80 ms step of a batch of streams: `run(x, states) -> (y, states)`, with
+`states` the step's state tensors (offset first) in the order of `MimiStep.state_specs()`.
+The ONNX and TensorRT runners run the artefacts `make export` writes (mimi_artefacts.py).
+
+`open_step` takes the first runtime that can run here, in the order TensorRT (an engine
+exists, `tensorrt` imports, a CUDA device), ONNX Runtime (an export exists; on the CPU only:
+on a GPU, TensorRT or PyTorch keep Mimi there), PyTorch (always), unless one is forced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .mimi_artefacts import onnx_path, plan_path, read_metadata, stale_reason
+from .mimi_steps import STEPS, MimiStep, TensorSpec
+
+RUNTIMES = ("tensorrt", "onnxruntime", "torch")
+
+
+class RuntimeUnavailable(RuntimeError):
+    """A forced runtime cannot run here; the message says why."""
+
+
+def tensor_specs_json(specs: list[TensorSpec]) -> list[dict]:
+    """For the metadata JSON: shapes with the dynamic batch dimension first."""
+    return [{"name": s.name, "shape": ["batch", *s.shape], "dtype": str(s.dtype).removeprefix("torch.")}
+            for s in specs]
+
+
+def _state_specs(meta: dict) -> list[TensorSpec]:
+    return [TensorSpec(t["name"], tuple(t["shape"][1:]), getattr(torch, t["dtype"])) for t in meta["inputs"][1:]]
+
+
+@dataclass
+class StepRunner:
+    """Runs one stage's step; subclasses say how. `device` is where inputs and state live."""
+
+    stage: str
+    runtime: str
+    source: str
+    device: torch.device
+    state_specs: list = field(repr=False)
+    skipped: list[str] = field(default_factory=list, repr=False)  # runtimes passed over, and why
+
+    def run(self, x: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        passed = "".join(f"; not {why}" for why in self.skipped)
+        return f"Mimi {self.stage} on {self.runtime} ({self.source}, {self.device}){passed}"
+
+    @property
+    def names(self) -> tuple[list[str], list[str]]:
+        """Input and output tensor names of the exported graph, in order."""
+        step = STEPS[self.stage]
+        states = [spec.name for spec in self.state_specs]
+        return [step.input.name, *states], [step.output.name, *(f"{s}_out" for s in states)]
+
+
+class TorchStepRunner(StepRunner):
+    def __init__(self, stage: str, mimi, skipped=()):
+        self.step: MimiStep = STEPS[stage](mimi).eval()
+        device = next(mimi.parameters()).device
+        super().__init__(stage, "torch", f"mimi_steps.{type(self.step).__name__}", device,
+                         self.step.state_specs(), list(skipped))
+
+    @torch.no_grad()
+    def run(self, x, states):
+        y, *new_states = self.step(x, *states)
+        return y, new_states
+
+
+class OnnxRuntimeRunner(StepRunner):
+    """On the CPU: torch tensors in and out share memory with the arrays ONNX Runtime sees."""
+
+    def __init__(self, stage: str, path: Path, specs, skipped=()):
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        super().__init__(stage, "onnxruntime", str(path), torch.device("cpu"), specs, list(skipped))
+        self._inputs, self._outputs = self.names
+
+    def run(self, x, states):
+        feeds = {name: t.contiguous().numpy() for name, t in zip(self._inputs, [x, *states])}
+        y, *new_states = (torch.from_numpy(a) for a in self.session.run(self._outputs, feeds))
+        return y, new_states
+
+
+class TensorRTRunner(StepRunner):
+    """A TensorRT engine on the current CUDA stream, reading and writing torch CUDA tensors."""
+
+    def __init__(self, stage: str, path: Path, specs, device: torch.device, skipped=()):
+        import tensorrt as trt
+
+        self._trt_logger = trt.Logger(trt.Logger.WARNING)
+        self.engine = trt.Runtime(self._trt_logger).deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise RuntimeUnavailable(f"TensorRT could not load {path} (built by another TensorRT version?)")
+        self.context = self.engine.create_execution_context()
+        self._dtypes = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+                        trt.DataType.BF16: torch.bfloat16, trt.DataType.INT32: torch.int32,
+                        trt.DataType.INT64: torch.int64, trt.DataType.BOOL: torch.bool}
+        super().__init__(stage, "tensorrt", str(path), device, specs, list(skipped))
+        self._inputs, self._outputs = self.names
+
+    def run(self, x, states):
+        feeds = [t.contiguous() for t in (x, *states)]  # kept alive until the step is queued
+        for name, tensor in zip(self._inputs, feeds):
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        outputs = []
+        for name in self._outputs:
+            out = torch.empty(tuple(self.context.get_tensor_shape(name)),
+                              dtype=self._dtypes[self.engine.get_tensor_dtype(name)], device=self.device)
+            self.context.set_tensor_address(name, out.data_ptr())
+            outputs.append(out)
+        if not self.context.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+            raise RuntimeError(f"TensorRT step of the Mimi {self.stage} failed")
+        return outputs[0], outputs[1:]
+
+
+def _why_not(runtime: str, stage: str, mimi_weights: Path, device: torch.device, forced: bool) -> str | None:
+    if runtime == "tensorrt":
+        if device.type != "cuda":
+            return "tensorrt: it needs a CUDA device"
+        reason = stale_reason(plan_path(mimi_weights, stage), mimi_weights)
+        if reason is None:
+            try:
+                import tensorrt  # noqa: F401
+            except ImportError as exc:
+                reason = f"the tensorrt package does not import ({exc})"
+        return None if reason is None else f"tensorrt: {reason}"
+    if runtime == "onnxruntime":
+        if device.type != "cpu" and not forced:
+            return "onnxruntime: CPU only here, and the model runs on " + device.type
+        reason = stale_reason(onnx_path(mimi_weights, stage), mimi_weights)
+        if reason is None:
+            try:
+                import onnxruntime  # noqa: F401
+            except ImportError as exc:
+                reason = f"the onnxruntime package does not import ({exc})"
+        return None if reason is None else f"onnxruntime: {reason}"
+    return None
+
+
+def open_step(stage: str, files, runtime: str = "auto", device: str = "cpu") -> StepRunner:
+    """A runner of Mimi's `stage` ("encoder" or "decoder") for a checkpoint's Mimi (`files`:
+    loaders.CheckpointFiles): the first runtime available in RUNTIMES' order, or the one
+    forced (RuntimeUnavailable if it cannot run)."""
+    from . import loaders
+
+    if stage not in STEPS:
+        raise ValueError(f"Mimi stage must be one of {', '.join(STEPS)}, not {stage!r}")
+    if runtime not in ("auto", *RUNTIMES):
+        raise ValueError(f"mimi_runtime must be auto or one of {', '.join(RUNTIMES)}, not {runtime!r}")
+    device = torch.device(device)
+    mimi_weights = files.mimi
+    skipped = []
+    for candidate in RUNTIMES if runtime == "auto" else (runtime,):
+        reason = _why_not(candidate, stage, mimi_weights, device, forced=runtime != "auto")
+        if reason is not None:
+            if runtime != "auto":
+                raise RuntimeUnavailable(f"Mimi {stage} cannot run on {reason}")
+            skipped.append(reason)
+            continue
+        if candidate == "torch":
+            return TorchStepRunner(stage, loaders.get_mimi(files, device), skipped)
+        if candidate == "onnxruntime":
+            path = onnx_path(mimi_weights, stage)
+            return OnnxRuntimeRunner(stage, path, _state_specs(read_metadata(path)), skipped)
+        path = plan_path(mimi_weights, stage)
+        return TensorRTRunner(stage, path, _state_specs(read_metadata(path)), device, skipped)
+    raise AssertionError("torch is always available")

@@ -1,6 +1,7 @@
 """Per-tick time of the two stages on a GPU, with PersonaPlex's 7B architecture (random bf16
 weights) and a full-size Mimi, for several numbers of live conversations. The talker's model
-step runs under CUDA graphs (`--no-cuda-graphs`: eager, the baseline).
+step and both Mimi steps (PyTorch runtime) run under CUDA graphs (`--no-cuda-graphs`: eager,
+the baseline).
 
     python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 32 64 --out bench/results
     python bench/gpu_step.py --from-json bench/results/gpu_step.json   (table and plot again)
@@ -52,7 +53,7 @@ def main():
     parser.add_argument("--tokenizer", type=Path, help="a SentencePiece model (any)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="the talker's model step eager")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="eager model and Mimi steps")
     args = parser.parse_args()
     if args.from_json:
         report = json.loads(args.from_json.read_text())
@@ -75,7 +76,8 @@ def main():
     rows = []
     for slots in args.slots:
         torch.cuda.reset_peak_memory_stats()
-        talker = Talker(lm, TorchStepRunner("encoder", mimi), tokenizer, slots, cuda_graphs=not args.no_cuda_graphs)
+        graphs = not args.no_cuda_graphs
+        talker = Talker(lm, TorchStepRunner("encoder", mimi, cuda_graphs=graphs), tokenizer, slots, cuda_graphs=graphs)
         for s in range(slots):
             talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
         while talker.prefilling(0):
@@ -83,7 +85,7 @@ def main():
         frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(slots)}
         talker_ms = timed(lambda: talker.tick(frames), args.steps)
         talker.close()
-        decoder = Code2Wav(TorchStepRunner("decoder", mimi), slots)
+        decoder = Code2Wav(TorchStepRunner("decoder", mimi, cuda_graphs=graphs), slots)
         codes = {s: rng.integers(0, 2048, 8) for s in range(slots)}
         for s in range(slots):
             decoder.start(s)

@@ -10,7 +10,7 @@ image (`docker compose run --rm mimi-engine`). An engine runs only with the Tens
 that built it: build with the version the server imports.
 
     python export/build_engine.py [--checkpoint DIR] [--stage encoder decoder]
-                                  [--precision fp32|fp16|bf16] [--max-batch N]
+                                  [--precision fp32|tf32|fp16|bf16] [--max-batch N]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from personaplex_triton.mimi_artefacts import (  # noqa: E402
     file_sha256, metadata_path, onnx_path, plan_path, read_metadata, stale_reason)
 
 STAGE_MODEL = {"encoder": "talker", "decoder": "code2wav"}  # the model whose pool sizes the profile
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
 
 def build(onnx_file: Path, plan_file: Path, max_batch: int, precision: str, workspace_gb: float) -> dict:
@@ -44,7 +44,9 @@ def build(onnx_file: Path, plan_file: Path, max_batch: int, precision: str, work
         raise RuntimeError(f"TensorRT could not parse {onnx_file}: {errors}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
-    if precision == "fp16":
+    if precision == "fp32":
+        config.clear_flag(trt.BuilderFlag.TF32)  # on by default; fp32 means the exported numbers
+    elif precision == "fp16":
         config.set_flag(trt.BuilderFlag.FP16)
     elif precision == "bf16":
         config.set_flag(trt.BuilderFlag.BF16)
@@ -68,11 +70,17 @@ def main(argv=None) -> int:
                         help="checkpoint folder (default: $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny)")
     parser.add_argument("--stage", nargs="+", choices=sorted(STAGE_MODEL), default=sorted(STAGE_MODEL))
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="fp16 / bf16 let TensorRT pick lower-precision kernels; I/O stays as exported")
+                        help="fp32: exact; tf32 / fp16 / bf16 let TensorRT pick faster, less precise "
+                             "kernels (I/O stays as exported)")
     parser.add_argument("--max-batch", type=int, default=None,
                         help="largest batch of the profile (default: the model's max_conversations)")
     parser.add_argument("--workspace-gb", type=float, default=4.0)
     args = parser.parse_args(argv)
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"tensorrt does not import ({exc}): build on a GPU host with TensorRT, "
+                         "e.g. `docker compose run --rm mimi-engine`")
     files = loaders.resolve_checkpoint(loaders.checkpoint_spec(args.checkpoint or ""))
     mimi_weights = files.mimi
     for stage in args.stage:

@@ -48,6 +48,7 @@ class StepRunner:
     skipped: list[str] = field(default_factory=list, repr=False)  # runtimes passed over, and why
 
     def run(self, x: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One step of a batch; the outputs may be reused by the next run: copy what you keep."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -63,16 +64,45 @@ class StepRunner:
 
 
 class TorchStepRunner(StepRunner):
-    def __init__(self, stage: str, mimi, skipped=()):
+    """The step in PyTorch: eager on the CPU; on a CUDA device each step replays a CUDA graph,
+    one per bucket of batch sizes (powers of two, rows past the batch padding), since eager
+    kernels launch one by one there. Its outputs are valid until its next run."""
+
+    def __init__(self, stage: str, mimi, skipped=(), cuda_graphs: bool | None = None):
         self.step: MimiStep = STEPS[stage](mimi).eval()
         device = next(mimi.parameters()).device
-        super().__init__(stage, "torch", f"mimi_steps.{type(self.step).__name__}", device,
-                         self.step.state_specs(), list(skipped))
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, static outputs)
+        source = f"mimi_steps.{type(self.step).__name__}" + (", CUDA graphs" if self.cuda_graphs else "")
+        super().__init__(stage, "torch", source, device, self.step.state_specs(), list(skipped))
 
     @torch.no_grad()
     def run(self, x, states):
-        y, *new_states = self.step(x, *states)
-        return y, new_states
+        if not self.cuda_graphs:
+            y, *new_states = self.step(x, *states)
+            return y, new_states
+        n = x.shape[0]
+        bucket = 1 << (n - 1).bit_length()
+        graph, inputs, outputs = self._graphs.get(bucket) or self._capture(bucket)
+        for static, value in zip(inputs, (x, *states)):
+            static[:n].copy_(value)
+        graph.replay()
+        return outputs[0][:n], [out[:n] for out in outputs[1:]]
+
+    def _capture(self, bucket: int) -> tuple:
+        step = self.step
+        inputs = [torch.zeros((bucket, *spec.shape), dtype=spec.dtype, device=self.device)
+                  for spec in (step.input, *self.state_specs)]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up, as capture requires, off the main stream
+            step(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = list(step(*inputs))
+        self._graphs[bucket] = (graph, inputs, outputs)
+        return self._graphs[bucket]
 
 
 class OnnxRuntimeRunner(StepRunner):
@@ -176,5 +206,10 @@ def open_step(stage: str, files, runtime: str = "auto", device: str = "cpu") -> 
             path = onnx_path(mimi_weights, stage)
             return OnnxRuntimeRunner(stage, path, _state_specs(read_metadata(path)), skipped)
         path = plan_path(mimi_weights, stage)
-        return TensorRTRunner(stage, path, _state_specs(read_metadata(path)), device, skipped)
+        try:
+            return TensorRTRunner(stage, path, _state_specs(read_metadata(path)), device, skipped)
+        except RuntimeUnavailable as exc:
+            if runtime != "auto":
+                raise
+            skipped.append(f"tensorrt: {exc}")
     raise AssertionError("torch is always available")

@@ -1,0 +1,201 @@
+"""Per-frame cost of Mimi's encoder and decoder on each runtime here, and the frame budget.
+
+For batch sizes (default 1 and 8 live conversations) it times one tick of the slot pool
+(`MimiSlots`, as the stages run it) on each runtime that can run on this machine, against
+moshi's own streaming Mimi in eager PyTorch (what the stages ran before the export); then the
+embedded default's whole frame for one conversation: talker tick (Mimi encode + temporal
+transformer + depformer) + code2wav tick, against the 80 ms a frame lasts.
+
+    python bench/mimi_runtimes.py [--checkpoint DIR] [--batch 1 8] [--ticks 20] [--out bench/results]
+
+Writes mimi_runtimes.{json,md,png} under --out (the checkpoint's export must exist: `make
+export`). Medians of one run; the machine is noisy, so compare within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+os.environ.setdefault("NO_TORCH_COMPILE", "1")  # before moshi is imported
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from personaplex_triton import loaders  # noqa: E402
+from personaplex_triton.mimi_runtime import RUNTIMES, RuntimeUnavailable, open_step  # noqa: E402
+from personaplex_triton.mimi_stream import MimiSlots  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MOSHI_EAGER = "moshi eager"
+FRAME_MS = 80.0
+
+
+def median_ms(fn, ticks: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(ticks):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def inputs(stage: str, batch: int, rng) -> dict[int, np.ndarray]:
+    if stage == "decoder":
+        return {s: rng.integers(0, 2048, 8) for s in range(batch)}
+    return {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(batch)}
+
+
+def moshi_step(mimi, stage: str, items: dict[int, np.ndarray]):
+    """One frame of moshi's streaming Mimi for the batch of `items` (inside mimi.streaming)."""
+    x = torch.as_tensor(np.stack(list(items.values())))
+    if stage == "decoder":
+        return lambda: mimi.decode(x[:, :, None])
+    return lambda: mimi.encode(x[:, None, :])
+
+
+def time_runtimes(files, batches, ticks) -> list[dict]:
+    rng = np.random.default_rng(0)
+    mimi = loaders.get_mimi(files)
+    rows = []
+    for stage in ("encoder", "decoder"):
+        runners = []
+        for runtime in RUNTIMES:
+            try:
+                runners.append(open_step(stage, files, runtime))
+            except RuntimeUnavailable as exc:
+                print(f"skipping {exc}", flush=True)
+        for batch in batches:
+            for runner in runners:
+                pool = MimiSlots(runner, max(batches))
+                items = inputs(stage, batch, rng)
+                step = pool.decode if stage == "decoder" else pool.encode
+                ms = median_ms(lambda: step(items), ticks)
+                rows.append({"stage": stage, "runtime": runner.runtime, "batch": batch, "tick_ms": ms})
+                print(rows[-1], flush=True)
+            with torch.no_grad(), mimi.streaming(batch):
+                ms = median_ms(moshi_step(mimi, stage, inputs(stage, batch, rng)), ticks)
+            rows.append({"stage": stage, "runtime": MOSHI_EAGER, "batch": batch, "tick_ms": ms})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def time_frame_budget(files, ticks) -> dict:
+    """One live conversation of the embedded default, as served: its stages' ticks."""
+    from personaplex_triton.code2wav import Code2Wav
+    from personaplex_triton.persona import Persona, VoicePrompt
+    from personaplex_triton.sampling import SamplingParams
+    from personaplex_triton.talker import Talker, TalkerSetup
+
+    rng = np.random.default_rng(1)
+    encoder, decoder = open_step("encoder", files), open_step("decoder", files)
+    talker = Talker(loaders.get_lm(files), encoder, loaders.get_tokenizer(files), 1)
+    voice = VoicePrompt("noise", frames=(0.1 * rng.standard_normal((2, 1920))).astype(np.float32))
+    talker.start(0, TalkerSetup(Persona(voice, ()), SamplingParams(seed=0)))
+    while talker.prefilling(0):
+        talker.tick({})
+    frame = {0: (0.1 * rng.standard_normal(1920)).astype(np.float32)}
+    talker_ms = median_ms(lambda: talker.tick(frame), ticks)
+    encode_ms = median_ms(lambda: talker.mimi.encode(frame), ticks)
+    talker.close()
+    code2wav = Code2Wav(decoder, 1)
+    code2wav.start(0)
+    codes = {0: rng.integers(0, 2048, 8)}
+    decode_ms = median_ms(lambda: code2wav.tick(codes), ticks)
+    total = round(talker_ms + decode_ms, 2)
+    return {"encoder": encoder.runtime, "decoder": decoder.runtime, "talker_tick_ms": talker_ms,
+            "encode_ms": encode_ms, "lm_ms": round(talker_ms - encode_ms, 2), "decode_ms": decode_ms,
+            "frame_ms": total, "real_time_factor": round(total / FRAME_MS, 2)}
+
+
+def _relative(path: Path) -> str:
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def machine() -> str:
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown CPU"
+    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mimi_runtimes.json").write_text(json.dumps(report, indent=2) + "\n")
+    rows, batches = report["rows"], report["batches"]
+    runtimes = list(dict.fromkeys(r["runtime"] for r in rows))
+    tick = {(r["stage"], r["runtime"], r["batch"]): r["tick_ms"] for r in rows}
+    lines = [f"# Mimi per-frame cost by runtime ({report['date']}, {report['machine']})", "",
+             f"Checkpoint `{report['checkpoint']}` (full-size Mimi), commit {report['commit']}; "
+             f"median ms of {report['ticks']} ticks of the slot pool, every conversation with a frame. "
+             f"Command: `{report['command']}`.", "",
+             "| stage | runtime | " + " | ".join(f"batch {b}: tick (ms) | per frame (ms)" for b in batches)
+             + " | speed-up vs moshi eager, batch " + ", ".join(map(str, batches)) + " |",
+             "| --- | --- | " + " | ".join("---: | ---:" for _ in batches) + " | ---: |"]
+    for stage in ("encoder", "decoder"):
+        for runtime in runtimes:
+            cells = [f"{tick[stage, runtime, b]} | {tick[stage, runtime, b] / b:.2f}" for b in batches]
+            ratios = ", ".join(f"{tick[stage, MOSHI_EAGER, b] / tick[stage, runtime, b]:.1f}x" for b in batches)
+            lines.append(f"| {stage} | {runtime} | " + " | ".join(cells) + f" | {ratios} |")
+    budget = report["frame_budget"]
+    lines += ["", f"One live conversation of the embedded default (Mimi encoder on {budget['encoder']}, "
+              f"decoder on {budget['decoder']}), ms per 80 ms frame:", "",
+              "| Mimi encode | LM (temporal + depformer) | Mimi decode | frame total | x real time |",
+              "| ---: | ---: | ---: | ---: | ---: |",
+              f"| {budget['encode_ms']} | {budget['lm_ms']} | {budget['decode_ms']} | {budget['frame_ms']} "
+              f"| {budget['real_time_factor']} |"]
+    (out / "mimi_runtimes.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    width = 0.8 / len(runtimes)
+    for ax, stage in zip(axes, ("encoder", "decoder")):
+        for i, runtime in enumerate(runtimes):
+            per_frame = [tick[stage, runtime, b] / b for b in batches]
+            ax.bar(np.arange(len(batches)) + i * width, per_frame, width, label=runtime)
+        ax.set(xticks=np.arange(len(batches)) + width * (len(runtimes) - 1) / 2,
+               xticklabels=[f"batch {b}" for b in batches], title=f"Mimi {stage}")
+    axes[0].set_ylabel("ms per frame")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report['machine']}, {report['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "mimi_runtimes.png", dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default=None, help="default: the one served")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--ticks", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    files = loaders.resolve_checkpoint(loaders.checkpoint_spec(args.checkpoint or ""))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO_ROOT).stdout.strip() or "unknown"
+    report = {"date": date.today().isoformat(), "machine": machine(), "checkpoint": _relative(files.root),
+              "commit": commit, "torch": torch.__version__, "batches": args.batch, "ticks": args.ticks,
+              "command": " ".join(["python bench/mimi_runtimes.py", *(sys.argv[1:] if argv is None else argv)]),
+              "rows": time_runtimes(files, args.batch, args.ticks),
+              "frame_budget": time_frame_budget(files, args.ticks)}
+    write_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -113,6 +113,8 @@ class OnnxRuntimeRunner(StepRunner):
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = torch.get_num_threads()
+        # Idle threads sleep rather than spin: both stages and the LM share the same cores.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         super().__init__(stage, "onnxruntime", str(path), torch.device("cpu"), specs, list(skipped))
         self._inputs, self._outputs = self.names

@@ -1,9 +1,10 @@
-"""Shared fixtures: a checkpoint to test against.
+"""Shared fixtures: a checkpoint, and a server on it, to test against.
 
 `tiny_checkpoint` is the folder named by the environment variable PERSONAPLEX_TEST_CHECKPOINT,
 used as is, or else the generated development checkpoint in the repository's (git-ignored)
 checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; the tool is
-idempotent, so later sessions reuse it at no cost.
+idempotent, so later sessions reuse it at no cost. `server` is a real `tritonserver` serving
+it, one for every test module that talks to a server.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from personaplex_triton.launch import TritonServer
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
@@ -41,3 +44,10 @@ def tiny_checkpoint(make_tiny) -> Path:
         return Path(override)
     make_tiny.main(["--out", str(TINY_CHECKPOINT_CACHE)])
     return TINY_CHECKPOINT_CACHE
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as srv:
+        yield srv

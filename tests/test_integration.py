@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton import audio, contract, loaders
-from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer
+from personaplex_triton.launch import MODEL_REPOSITORY
 
 pytestmark = pytest.mark.integration
 
@@ -25,13 +25,6 @@ PROMPT = "You are a wise and friendly teacher. Answer questions or provide advic
 def pool_size(model: str) -> int:
     config = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
     return int(re.search(r'key: "max_conversations" value: \{ string_value: "(\d+)" \}', config).group(1))
-
-
-@pytest.fixture(scope="session")
-def server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="session")

@@ -66,22 +66,33 @@ class InProcessPipeline:
 
 
 def compare(url: str, frames: np.ndarray, persona: Persona, talker_slots: int, code2wav_slots: int,
-            checkpoint: str, log) -> dict:
-    """Per-frame latency in-process and through Triton, medians and their difference (ms).
-    Each side first runs a two-frame conversation of the persona so that neither pays its prefill."""
-    log(f"[overhead] through Triton: {len(frames)} frames, one in flight")
-    stream_conversation(frames[:2].reshape(-1), url=url, persona=persona, max_in_flight=1, check_ready=False)
-    served = stream_conversation(frames.reshape(-1), url=url, persona=persona, max_in_flight=1,
-                                 check_ready=False).latencies_ms
-    log(f"[overhead] in this process: loading the checkpoint ({talker_slots} talker slots, "
-        f"{code2wav_slots} code2wav slots), then the same frames")
+            checkpoint: str, log, rounds: int = 3) -> dict:
+    """Per-frame latency in-process and through Triton (ms): p50 / p95 over every round, the
+    difference of the medians, and that difference per round.
+
+    The two sides take turns, a conversation each per round, so that the machine's drift (other
+    load, clock, caches) falls on both alike; a frame here costs hundreds of ms on a CPU and
+    varies by tens, so one pair of runs cannot show a few ms of overhead. Each side first runs a
+    two-frame conversation of the persona so that neither pays its prefill.
+    """
+    log(f"[overhead] loading the checkpoint in this process ({talker_slots} talker slots, "
+        f"{code2wav_slots} code2wav slots)")
     pipeline = InProcessPipeline(talker_slots, code2wav_slots, checkpoint)
+    local, served, differences = [], [], []
     try:
         pipeline.conversation(frames[:2], persona)
-        local = pipeline.conversation(frames, persona)
+        stream_conversation(frames[:2].reshape(-1), url=url, persona=persona, max_in_flight=1, check_ready=False)
+        for r in range(rounds):
+            log(f"[overhead] round {r + 1}/{rounds}: {len(frames)} frames in this process, then through Triton")
+            here = pipeline.conversation(frames, persona)
+            there = stream_conversation(frames.reshape(-1), url=url, persona=persona, max_in_flight=1,
+                                        check_ready=False).latencies_ms
+            differences.append(round(float(np.median(there) - np.median(here)), 1))
+            local += here
+            served += there
     finally:
         pipeline.close()
     served_p = stats.percentiles(served, (50, 95))
     local_p = stats.percentiles(local, (50, 95))
-    return {"frames": len(frames), "in_process_ms": local_p, "triton_ms": served_p,
-            "overhead_ms_p50": round(served_p["p50"] - local_p["p50"], 1)}
+    return {"frames": len(frames), "rounds": rounds, "in_process_ms": local_p, "triton_ms": served_p,
+            "overhead_ms_p50": round(served_p["p50"] - local_p["p50"], 1), "overhead_ms_per_round": differences}

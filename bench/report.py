@@ -143,13 +143,15 @@ def markdown(result: dict) -> str:
     if "overhead" in result:
         o = result["overhead"]
         lines += ["## Server overhead", "",
-                  f"{o['frames']} frames, one in flight, through the library's services in the bench's process "
+                  f"{o['rounds']} rounds of {o['frames']} frames, one in flight, through the library's services "
+                  "in the bench's process "
                   f"(checkpoint {o['in_process_checkpoint']}) and through Triton, at the server's pool sizes, "
                   "with the same persona and seed.", "",
                   "| path | frame p50 (ms) | frame p95 (ms) |", "| --- | ---: | ---: |",
                   f"| in process | {o['in_process_ms']['p50']} | {o['in_process_ms']['p95']} |",
                   f"| Triton (gRPC, ensemble) | {o['triton_ms']['p50']} | {o['triton_ms']['p95']} |", "",
-                  f"Triton adds **{o['overhead_ms_p50']} ms** per frame (difference of the medians).", ""]
+                  f"Triton adds **{o['overhead_ms_p50']} ms** per frame (difference of the medians; per round: "
+                  f"{', '.join(f'{d} ms' for d in o['overhead_ms_per_round'])}).", ""]
     for plot in result.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"

@@ -47,7 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pa-concurrency", type=int, nargs="+", default=[1, 2, 4],
                         help="perf_analyzer concurrency levels (sequences at once)")
     parser.add_argument("--pa-frames", type=int, default=25, help="frames per perf_analyzer sequence")
-    parser.add_argument("--overhead-frames", type=int, default=25)
+    parser.add_argument("--overhead-frames", type=int, default=25, help="frames per overhead round")
+    parser.add_argument("--overhead-rounds", type=int, default=3,
+                        help="in-process and Triton conversations, taking turns")
     return parser.parse_args(argv)
 
 
@@ -105,7 +107,8 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool) -> in
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)
     if "overhead" in args.stages:
         result["overhead"] = overhead.compare(url, user_frames(args.overhead_frames), PERSONA, slots,
-                                              info["code2wav"]["max_conversations"], local_checkpoint, log)
+                                              info["code2wav"]["max_conversations"], local_checkpoint, log,
+                                              args.overhead_rounds)
         result["overhead"]["in_process_checkpoint"] = report.checkpoint_label(local_checkpoint)
         log(f"  Triton adds {result['overhead']['overhead_ms_p50']} ms per frame (medians)")
 

@@ -101,7 +101,10 @@ def markdown(result: dict) -> str:
              f"- Mimi runtime: talker {h['talker']['mimi_runtime']}, code2wav {h['code2wav']['mimi_runtime']}; "
              f"device {h['talker']['device']}; pool sizes talker {h['talker']['max_conversations']}, "
              f"code2wav {h['code2wav']['max_conversations']}",
-             f"- Commit {h['commit']}, started {h['started']}, bench wall time {h['wall_s']} s", "",
+             f"- Commit {h['commit']}, started {h['started']}, bench wall time {h['wall_s']} s",
+             # Other work on the machine skews every figure; the load average shows whether there was any.
+             f"- Load average (1 min) at start {h['load_average_start']}, at end {h['load_average_end']} "
+             f"({m['cores']} cores)", "",
              f"Workload: `samples/user.wav` in 80 ms frames (1920 samples), voice {h['persona']['voice']}, "
              f"role prompt \"{h['persona']['text_prompt']}\", shared by every conversation (a seed each), so "
              "conversations start from the server's persona cache.", ""]

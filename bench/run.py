@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -88,7 +89,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool) -> in
               "command": args.command,
               "machine": machine, "server": where, "triton_version": info["triton_version"],
               "checkpoint": checkpoint, "talker": info["talker"], "code2wav": info["code2wav"],
-              "commit": report.git_commit(),
+              "commit": report.git_commit(), "load_average_start": round(os.getloadavg()[0], 2),
               "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt}}
     result = {"header": header}
     stem = f"{header['date']}-{args.name or machine['slug']}"
@@ -113,6 +114,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool) -> in
         log(f"  Triton adds {result['overhead']['overhead_ms_p50']} ms per frame (medians)")
 
     header["wall_s"] = round(time.monotonic() - clock, 1)
+    header["load_average_end"] = round(os.getloadavg()[0], 2)
     args.out.mkdir(parents=True, exist_ok=True)
     result["plots"] = []
     if "load" in args.stages:

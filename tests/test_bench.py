@@ -86,7 +86,7 @@ def test_load_generator_and_report_against_the_server(server):
     header = {"date": "2026-01-01", "started": "2026-01-01 00:00 UTC", "command": "python -m bench.run",
               "machine": report.machine(), "server": "test", "triton_version": info["triton_version"],
               "checkpoint": "tiny", "talker": info["talker"], "code2wav": info["code2wav"], "commit": "x",
-              "wall_s": 1.0, "persona": {"voice": "NATF0", "text_prompt": "p"}}
+              "wall_s": 1.0, "load_average_start": 0.1, "load_average_end": 0.2, "persona": {"voice": "NATF0", "text_prompt": "p"}}
     text = report.markdown({"header": header, "load": rows, "largest_real_time": stats.largest_real_time(rows)})
     assert "| 2 | 8 |" in text and "Largest number of conversations in real time" in text
 

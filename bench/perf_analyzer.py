@@ -86,7 +86,10 @@ def command(url: str, concurrency: int, sequence_frames: int, data_path: Path, e
             # No --sequence-length: with user data a sequence is the stream's steps, exactly; a set
             # length varies by +-20 % and would wrap to step 0 (the persona) mid-sequence.
             "--concurrency-range", str(concurrency),
-            "--serial-sequences",  # one frame in flight per conversation, as a listener waits
+            # One frame in flight per sequence, the next sent on its answer: a closed loop. Its
+            # --request-rate-range would pace sends, but with serial sequences it waits on answers
+            # too; real-time pacing is the load generator's (loadgen.py).
+            "--serial-sequences",
             # Exactly `concurrency` whole sequences, side by side; no stability loop to stretch the run.
             "--request-count", str(concurrency * sequence_frames),
             "--profile-export-file", str(export_path)]

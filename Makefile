@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: all venv checkpoint export demo serve test bench-serve clean
+.PHONY: all venv checkpoint export demo serve test bench bench-deps clean
 
 all: test
 
@@ -35,12 +36,21 @@ demo: export
 serve: export
 	$(PY) -m personaplex_triton.launch
 
-test: export
+test: export bench-deps
 	$(PY) -m pytest -q
 
-bench-serve: checkpoint
+# perf_analyzer, the load generator and the overhead run, against a server started on the default
+# checkpoint; an existing one with: make bench BENCH_ARGS="--url host:8001" (python -m bench.run -h).
+bench: export bench-deps
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+bench-deps: $(VENV)/.bench-installed
+	# perf_analyzer loads libb64.so.0d (Debian libb64-0d); installed once, through sudo unless root.
+	dpkg -s libb64-0d >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libb64-0d; }
+
+$(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) bench/serve_latency.py
+	touch $@
 
 clean:
 	rm -rf out .pytest_cache

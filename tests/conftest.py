@@ -1,10 +1,11 @@
-"""Shared fixtures: a checkpoint to test against.
+"""Shared fixtures: a checkpoint, and a server on it, to test against.
 
 `tiny_checkpoint` is the folder named by the environment variable PERSONAPLEX_TEST_CHECKPOINT,
 used as is, or else the generated development checkpoint in the repository's (git-ignored)
 checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; either way its Mimi
 is exported to ONNX (export/export_mimi.py), so the stages run on ONNX Runtime as served. Both
-tools are idempotent, so later sessions reuse their output at no cost.
+tools are idempotent, so later sessions reuse their output at no cost. `server` is a real
+`tritonserver` serving it, one for every test module that talks to a server.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from personaplex_triton.launch import TritonServer
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
@@ -41,3 +44,10 @@ def tiny_checkpoint(make_tiny) -> Path:
         make_tiny.main(["--out", str(checkpoint)])
     load_export_tool("export_mimi").main(["--checkpoint", str(checkpoint)])
     return checkpoint
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as srv:
+        yield srv

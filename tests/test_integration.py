@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton import audio, contract, loaders
-from personaplex_triton.launch import TritonServer, model_parameter
+from personaplex_triton.launch import model_parameter
 
 pytestmark = pytest.mark.integration
 
@@ -23,13 +23,6 @@ PROMPT = "You are a wise and friendly teacher. Answer questions or provide advic
 
 def pool_size(model: str) -> int:
     return int(model_parameter(model, "max_conversations"))
-
-
-@pytest.fixture(scope="session")
-def server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="session")
@@ -225,3 +218,10 @@ def test_realtime_pacing(server):
     drift = np.array(result.send_offsets_s) - 0.080 * np.arange(frames)
     assert np.median(np.abs(drift)) < 0.02  # a busy 2-core machine may delay a single send,
     assert abs(drift[-1]) < 0.04            # but lateness never accumulates
+
+
+def test_each_stage_logs_the_mimi_runtime_it_runs(server):
+    from bench.report import mimi_runtimes_in_log
+
+    # auto on a CPU with `make export` done: ONNX Runtime for both halves of Mimi.
+    assert mimi_runtimes_in_log(server.log_path) == {"talker": "onnxruntime", "code2wav": "onnxruntime"}

@@ -1,0 +1,220 @@
+"""What a run states about itself (machine, server, checkpoint, Mimi runtime, commit, date), and
+its results as a Markdown table file, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+from personaplex_triton.launch import REPO_ROOT
+
+from . import stats
+
+
+def machine() -> dict:
+    """This machine: CPU model, cores this process may use, GPUs (nvidia-smi), and a short slug."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        cpu = names[0].strip() if names else cpu
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0))
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                capture_output=True, text=True)
+        gpus = [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+    if gpus:
+        slug = f"{len(gpus)}x-{gpus[0]}"
+    else:
+        slug = f"cpu{cores}-{cpu}"
+    slug = re.sub(r"[^a-z0-9]+", "-", slug.lower()).strip("-")
+    return {"cpu": cpu, "cores": cores, "gpus": gpus, "slug": slug}
+
+
+def mimi_runtimes_in_log(server_log: Path) -> dict[str, str]:
+    """{model: runtime} from the line each stage logs at load ("talker: Mimi encoder on onnxruntime (...")."""
+    found = re.findall(r"(talker|code2wav): Mimi \w+ on (\w+)", Path(server_log).read_text(errors="replace"))
+    return dict(found)
+
+
+def server_info(url: str, server_log: Path | None = None) -> dict:
+    """What the server says of itself: Triton version, and per stage its config parameters
+    (pool size, checkpoint, device, `mimi_runtime`). With the server's log at hand, the Mimi
+    runtime is the one each stage says it runs ("auto: onnxruntime")."""
+    client = grpcclient.InferenceServerClient(url=url)
+    running = mimi_runtimes_in_log(server_log) if server_log is not None else {}
+    try:
+        info = {"triton_version": client.get_server_metadata().version}
+        for model in ("talker", "code2wav"):
+            config = client.get_model_config(model, as_json=True)["config"]
+            params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+            configured = params.get("mimi_runtime", "")
+            info[model] = {"max_conversations": int(params.get("max_conversations", 0)),
+                           "checkpoint": params.get("checkpoint", ""), "device": params.get("device", ""),
+                           "mimi_runtime": f"{configured}: {running[model]}" if model in running else configured}
+    finally:
+        client.close()
+    return info
+
+
+def checkpoint_label(spec: str) -> str:
+    """A checkpoint folder as its path and the start of its LM weights' SHA-256; a hub name as is."""
+    weights = Path(spec) / "model.safetensors"
+    if not weights.is_file():
+        return spec
+    digest = hashlib.sha256()
+    with open(weights, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return f"{spec} (model.safetensors sha256 {digest.hexdigest()[:12]})"
+
+
+def git_commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + (" (uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+# ----------------------------------------------------------------------------- Markdown
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def markdown(result: dict) -> str:
+    h = result["header"]
+    m = h["machine"]
+    gpus = ", ".join(m["gpus"]) or "no GPU"
+    lines = [f"# PersonaPlex on Triton: benchmark of {h['date']}", "",
+             f"- Command: `{h['command']}`",
+             f"- Bench machine: {m['cpu']}, {m['cores']} cores, {gpus}",
+             f"- Server: {h['server']}, Triton {h['triton_version']}",
+             f"- Checkpoint: {h['checkpoint']}",
+             f"- Mimi runtime: talker {h['talker']['mimi_runtime']}, code2wav {h['code2wav']['mimi_runtime']}; "
+             f"device {h['talker']['device']}; pool sizes talker {h['talker']['max_conversations']}, "
+             f"code2wav {h['code2wav']['max_conversations']}",
+             f"- Commit {h['commit']}, started {h['started']}, bench wall time {h['wall_s']} s",
+             # Other work on the machine skews every figure; the load average shows whether there was any.
+             f"- Load average (1 min) at start {h['load_average_start']}, at end {h['load_average_end']} "
+             f"({m['cores']} cores)", "",
+             f"Workload: `samples/user.wav` in 80 ms frames (1920 samples), voice {h['persona']['voice']}, "
+             f"role prompt \"{h['persona']['text_prompt']}\", shared by every conversation (a seed each), so "
+             "conversations start from the server's persona cache.", ""]
+    if "first_audio_new_persona_ms" in result:
+        lines += [f"First audio of the persona's first conversation (its prefill, unless the server saw "
+                  f"the persona before): {result['first_audio_new_persona_ms']} ms.", ""]
+    if "load" in result:
+        best = result["largest_real_time"]
+        lines += ["## Real-time conversations", "",
+                  "Each conversation sends one frame every 80 ms on a fixed schedule. Latency: a frame's send "
+                  "to its answer; late: answered more than 80 ms after it was sent; real time: p99 under "
+                  "80 ms and no frame late. On a server slower than real time frames queue up and latency "
+                  "grows along each conversation (right-hand plot), so the percentiles then depend on the "
+                  f"conversation's length ({result['load'][0]['frames'] // result['load'][0]['conversations']} "
+                  "frames here).", "",
+                  "| conversations | frames | p50 (ms) | p95 (ms) | p99 (ms) | late frames | first audio p50 / max (ms) "
+                  "| frames/s | real time |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+        for r in result["load"]:
+            lines.append(f"| {r['conversations']} | {r['frames']} | {_cell(r['p50'])} | {_cell(r['p95'])} | "
+                         f"{_cell(r['p99'])} | {r['late']} ({r['late_fraction']:.0%}) | "
+                         f"{r['first_audio_ms_p50']} / {r['first_audio_ms_max']} | {r['frames_per_s']} | "
+                         f"{'yes' if r['real_time'] else 'no'} |")
+        lines += ["", "Largest number of conversations in real time: "
+                  + (f"**{best}**." if best else "**none** of those tested."), ""]
+    if "perf_analyzer" in result:
+        lines += ["## perf_analyzer", "",
+                  "`perf_analyzer` on `ensemble`, gRPC `--streaming`, `--serial-sequences` (one frame in flight "
+                  "per sequence, sent as soon as the last one is answered), one whole sequence per concurrent "
+                  "slot; latencies from the per-response timestamps of `--profile-export-file`.", "",
+                  "| concurrency | sequences | frames | frame p50 (ms) | frame p95 (ms) | frame p99 (ms) "
+                  "| first response p50 (ms) | frames/s |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in result["perf_analyzer"]:
+            lines.append(f"| {r['concurrency']} | {r['sequences']} | {r['frames']} | {_cell(r['p50'])} | "
+                         f"{_cell(r['p95'])} | {_cell(r['p99'])} | {_cell(r['first_response_ms_p50'])} | "
+                         f"{r['frames_per_s']} |")
+        lines.append("")
+    if "overhead" in result:
+        o = result["overhead"]
+        lines += ["## Server overhead", "",
+                  f"{o['rounds']} rounds of {o['frames']} frames, one in flight, through the library's services "
+                  "in the bench's process "
+                  f"(checkpoint {o['in_process_checkpoint']}) and through Triton, at the server's pool sizes, "
+                  "with the same persona and seed.", "",
+                  "| path | frame p50 (ms) | frame p95 (ms) |", "| --- | ---: | ---: |",
+                  f"| in process | {o['in_process_ms']['p50']} | {o['in_process_ms']['p95']} |",
+                  f"| Triton (gRPC, ensemble) | {o['triton_ms']['p50']} | {o['triton_ms']['p95']} |", "",
+                  f"Triton adds **{o['overhead_ms_p50']} ms** per frame (difference of the medians; per round: "
+                  f"{', '.join(f'{d} ms' for d in o['overhead_ms_per_round'])}).", ""]
+    for plot in result.get("plots", []):
+        lines.append(f"![{plot}]({plot})")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_load(rows: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["conversations"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for key, style in (("p50", "o-"), ("p95", "s--"), ("p99", "^:")):
+        left.plot(n, [r[key] for r in rows], style, label=key)
+    left.axhline(stats.FRAME_MS, color="grey", lw=0.8, label="80 ms (real time)")
+    left.set(xlabel="concurrent conversations", ylabel="frame latency (ms)", xticks=n, yscale="log")
+    left.legend(fontsize=8)
+    for level, r in enumerate(rows):
+        for i, latencies in enumerate(r["latencies_ms"]):
+            right.plot(range(len(latencies)), latencies, ".", ms=2, color=f"C{level}",
+                       label=f"{r['conversations']}" if i == 0 else None)
+    right.axhline(stats.FRAME_MS, color="grey", lw=0.8)
+    right.set(xlabel="frame of the conversation", ylabel="latency (ms)", yscale="log")
+    right.legend(title="conversations", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_perf_analyzer(rows: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["concurrency"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for key, style in (("p50", "o-"), ("p95", "s--"), ("p99", "^:")):
+        left.plot(c, [r[key] for r in rows], style, label=f"frame {key}")
+    left.plot(c, [r["first_response_ms_p50"] for r in rows], "x-", label="first response p50")
+    left.axhline(stats.FRAME_MS, color="grey", lw=0.8, label="80 ms")
+    left.set(xlabel="concurrency (sequences)", ylabel="latency (ms)", xticks=c)
+    left.legend(fontsize=8)
+    right.bar([str(x) for x in c], [r["frames_per_s"] for r in rows])
+    right.axhline(1000 / stats.FRAME_MS, color="grey", lw=0.8, label="one real-time conversation")
+    right.set(xlabel="concurrency (sequences)", ylabel="frames / s, all sequences")
+    right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

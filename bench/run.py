@@ -1,0 +1,149 @@
+"""Benchmark a PersonaPlex Triton server: perf_analyzer, a real-time conversation load, and the
+server's overhead over the library in-process. One command, on any server it can reach.
+
+    python -m bench.run                          # starts tritonserver on the default checkpoint
+    python -m bench.run --url gpu-host:8001      # an existing server (the GPU deployment)
+    python -m bench.run --stages load --conversations 1 8 32 64 --seconds 10
+
+Writes <out>/<YYYY-MM-DD>-<machine>.md (tables), .json (figures) and -load.png /
+-perf-analyzer.png (plots), and prints the tables. `make bench` installs what it needs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from personaplex_stream import stream_conversation
+from personaplex_triton.launch import REPO_ROOT, TritonServer
+from personaplex_triton.loaders import checkpoint_spec
+
+from . import loadgen, overhead, perf_analyzer, report, stats
+from .workload import PERSONA, frames as user_frames
+
+STAGES = ("perf-analyzer", "load", "overhead")
+RESULTS = REPO_ROOT / "bench" / "results"
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="gRPC host:port of a running server; default: start one on free ports")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    parser.add_argument("--name", help="machine part of the file names (default: from this machine's CPU / GPU)")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--conversations", type=int, nargs="+", default=[1, 2, 4],
+                        help="real-time load levels (concurrent conversations)")
+    parser.add_argument("--seconds", type=float, default=4.0, help="user audio per real-time conversation")
+    parser.add_argument("--pa-concurrency", type=int, nargs="+", default=[1, 2, 4],
+                        help="perf_analyzer concurrency levels (sequences at once)")
+    parser.add_argument("--pa-frames", type=int, default=25, help="frames per perf_analyzer sequence")
+    parser.add_argument("--overhead-frames", type=int, default=25, help="frames per overhead round")
+    parser.add_argument("--overhead-rounds", type=int, default=3,
+                        help="in-process and Triton conversations, taking turns")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.command = " ".join(["python -m bench.run", *argv])
+    started, clock = report.now(), time.monotonic()
+    if "perf-analyzer" in args.stages:
+        log(f"[perf_analyzer] {perf_analyzer.check()}")  # before a server starts: fail fast
+    if args.url:
+        return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False)
+    log("[server] starting tritonserver on model_repository")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with TritonServer(log_path=args.out / "tritonserver.log") as server:
+        log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
+        where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
+        return _bench(args, server.grpc_url, where, started, clock, local=True,
+                      server_log=args.out / "tritonserver.log")
+
+
+def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None) -> int:
+    info = report.server_info(url, server_log)
+    slots = info["talker"]["max_conversations"]
+    for what, levels in (("--conversations", args.conversations), ("--pa-concurrency", args.pa_concurrency)):
+        if max(levels) > slots:
+            raise SystemExit(f"{what} {max(levels)}: the server's talker has {slots} conversation slots "
+                             "(max_conversations); more would be refused")
+    configured = info["talker"]["checkpoint"]
+    local_checkpoint = checkpoint_spec(configured)  # what this machine resolves the server's config to
+    if local or configured:
+        checkpoint = report.checkpoint_label(local_checkpoint)
+    else:
+        checkpoint = "the server's default ($PERSONAPLEX_CHECKPOINT there, else its checkpoints/tiny)"
+    machine = report.machine()
+    header = {"date": started.date().isoformat(), "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+              "command": args.command,
+              "machine": machine, "server": where, "triton_version": info["triton_version"],
+              "checkpoint": checkpoint, "talker": info["talker"], "code2wav": info["code2wav"],
+              "commit": report.git_commit(), "load_average_start": round(os.getloadavg()[0], 2),
+              "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt}}
+    result = {"header": header}
+    stem = f"{header['date']}-{args.name or machine['slug']}"
+    title = f"{machine['cpu']}, {machine['cores']} cores, {', '.join(machine['gpus']) or 'no GPU'}; {header['date']}"
+
+    log("[warm-up] the persona's first conversation (its prefill, unless the server knows it)")
+    warm = stream_conversation(user_frames(2).reshape(-1), url=url, persona=PERSONA, max_in_flight=1)
+    result["first_audio_new_persona_ms"] = round(warm.first_audio_ms, 1)
+    log(f"  first audio after {warm.first_audio_ms:.0f} ms")
+
+    if "load" in args.stages:
+        frames = user_frames(round(args.seconds * 1000 / stats.FRAME_MS))
+        result["load"] = loadgen.sweep(url, frames, args.conversations, log)
+        result["largest_real_time"] = stats.largest_real_time(result["load"])
+    if "perf-analyzer" in args.stages:
+        result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)
+    if "overhead" in args.stages:
+        result["overhead"] = overhead.compare(url, user_frames(args.overhead_frames), PERSONA, slots,
+                                              info["code2wav"]["max_conversations"], local_checkpoint, log,
+                                              args.overhead_rounds)
+        result["overhead"]["in_process_checkpoint"] = report.checkpoint_label(local_checkpoint)
+        log(f"  Triton adds {result['overhead']['overhead_ms_p50']} ms per frame (medians)")
+
+    header["wall_s"] = round(time.monotonic() - clock, 1)
+    header["load_average_end"] = round(os.getloadavg()[0], 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result["plots"] = []
+    if "load" in args.stages:
+        report.plot_load(result["load"], f"Real-time conversations: {title}", args.out / f"{stem}-load.png")
+        result["plots"].append(f"{stem}-load.png")
+    if "perf-analyzer" in args.stages:
+        report.plot_perf_analyzer(result["perf_analyzer"], f"perf_analyzer: {title}",
+                                  args.out / f"{stem}-perf-analyzer.png")
+        result["plots"].append(f"{stem}-perf-analyzer.png")
+    text = report.markdown(result)
+    (args.out / f"{stem}.md").write_text(text)
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(text)
+    log(f"[done] {args.out / stem}.md, .json and plots, in {header['wall_s']} s")
+    return 0
+
+
+def _perf_analyzer(url: str, frames: np.ndarray, levels: list[int]) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="perf_analyzer-") as workdir:
+        for c in levels:
+            log(f"[perf_analyzer] concurrency {c}: {c} sequence(s) of {len(frames)} frames")
+            found = perf_analyzer.run(url, c, frames, PERSONA, Path(workdir), log)
+            rows.append(perf_analyzer.summary(c, found))
+            r = rows[-1]
+            log(f"  frame p50 {r['p50']} ms, p99 {r['p99']} ms, first response p50 {r['first_response_ms_p50']} ms")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The benchmark tools: their figures from known latencies and a perf_analyzer export (no
+server), then each tool once, briefly, against the real server."""
+
+import numpy as np
+import pytest
+
+from bench import loadgen, overhead, perf_analyzer, report, stats, workload
+from personaplex_stream import Persona
+from personaplex_triton import contract
+
+
+def test_percentiles_and_late_frames():
+    assert stats.percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert stats.percentiles(list(range(101))) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+    # answered exactly 80 ms after its send, a frame is in time; a hair later, it is late
+    assert stats.late_frames([10.0, 80.0, 80.1, 500.0]) == 2
+
+
+def test_frame_summary_is_real_time_only_without_late_frames():
+    assert stats.frame_summary([30.0] * 99 + [79.0])["real_time"]
+    late_one = stats.frame_summary([30.0] * 199 + [81.0])  # p99 still under 80 ms
+    assert late_one["p99"] < stats.FRAME_MS and late_one["late"] == 1 and not late_one["real_time"]
+    assert late_one["late_fraction"] == 0.005
+    assert not stats.frame_summary([])["real_time"]
+
+
+def test_largest_real_time_stops_at_the_first_failure():
+    rows = [{"conversations": n, "real_time": ok} for n, ok in ((8, True), (1, True), (2, True), (4, False))]
+    assert stats.largest_real_time(rows) == 2
+    assert stats.largest_real_time([{"conversations": 1, "real_time": False}]) is None
+
+
+def _request(sequence, sent_ms, answered_ms):
+    ns = 1_000_000
+    return {"timestamp": sent_ms * ns, "sequence_id": sequence, "request_inputs": {},
+            "response_timestamps": [t * ns for t in answered_ms], "response_outputs": []}
+
+
+def test_parse_profile_export():
+    # perf_analyzer 2.51's export: per request its send time and every response's (ns); a decoupled
+    # request's second response is the empty final one.
+    export = {"version": "2.51.0", "experiments": [{
+        "experiment": {"mode": "concurrency", "value": 2},
+        "requests": [_request(1, 1000, [1300, 1301]), _request(1, 1301, [1401, 1402]),
+                     _request(2, 1010, [1510, 1511]), _request(2, 1511, [1561, 1562]), _request(2, 1562, [])],
+        "window_boundaries": [0, 1]}]}
+    [found] = perf_analyzer.parse_profile(export)
+    assert (found["mode"], found["value"], found["sequences"], found["requests"], found["unanswered"]) == \
+        ("concurrency", 2, 2, 5, 1)
+    assert found["frame_latencies_ms"] == [300.0, 100.0, 500.0, 50.0]
+    assert sorted(found["first_response_ms"]) == [300.0, 500.0]
+    assert found["wall_s"] == pytest.approx(0.562)
+    with pytest.raises(perf_analyzer.PerfAnalyzerError, match="1 of 5 requests got no response"):
+        perf_analyzer.summary(2, found)
+
+
+def test_input_data_sends_the_persona_on_the_first_step_only():
+    frames = workload.frames(3)
+    [steps] = perf_analyzer.input_data(frames, workload.PERSONA)["data"]
+    assert len(steps) == 3
+    assert steps[0][contract.VOICE] == ["NATF0"] and steps[0][contract.SEED] == [0]
+    assert all(set(step) == {contract.AUDIO_IN} for step in steps[1:])
+    assert steps[2][contract.AUDIO_IN]["shape"] == [contract.FRAME_SAMPLES]
+    np.testing.assert_array_equal(np.array(steps[2][contract.AUDIO_IN]["content"], np.float32), frames[2])
+
+
+def test_persona_inputs_are_named_and_typed_as_the_contract_says():
+    full = Persona(voice="NATM0", text_prompt="Hi.", seed=3, greedy=True, temperature=0.5,
+                   temperature_text=0.6, top_k=10, top_k_text=5)
+    assert set(workload.persona_values(full)) == set(contract.PERSONA_INPUTS)
+    arrays = workload.persona_arrays(full)
+    assert arrays[contract.TEXT_PROMPT][0] == b"Hi." and arrays[contract.TOP_K].dtype == np.int32
+    assert arrays[contract.SEED].dtype == np.int64 and arrays[contract.GREEDY].dtype == np.bool_
+    assert workload.persona_values(Persona(voice="NATF0")) == {contract.VOICE: "NATF0"}
+
+
+@pytest.mark.integration
+def test_load_generator_and_report_against_the_server(server):
+    rows = loadgen.sweep(server.grpc_url, workload.frames(4), [1, 2], log=lambda _: None)
+    for n, row in zip((1, 2), rows):
+        assert row["conversations"] == n and row["frames"] == 4 * n == sum(map(len, row["latencies_ms"]))
+        assert 0 < row["p50"] <= row["p95"] <= row["p99"] and 0 <= row["late"] <= row["frames"]
+        assert row["first_audio_ms_p50"] > 0 and row["frames_per_s"] > 0
+    info = report.server_info(server.grpc_url)
+    assert info["talker"]["max_conversations"] >= 2 and info["code2wav"]["mimi_runtime"]
+    header = {"date": "2026-01-01", "started": "2026-01-01 00:00 UTC", "command": "python -m bench.run",
+              "machine": report.machine(), "server": "test", "triton_version": info["triton_version"],
+              "checkpoint": "tiny", "talker": info["talker"], "code2wav": info["code2wav"], "commit": "x",
+              "wall_s": 1.0, "load_average_start": 0.1, "load_average_end": 0.2, "persona": {"voice": "NATF0", "text_prompt": "p"}}
+    text = report.markdown({"header": header, "load": rows, "largest_real_time": stats.largest_real_time(rows)})
+    assert "| 2 | 8 |" in text and "Largest number of conversations in real time" in text
+
+
+@pytest.mark.integration
+def test_perf_analyzer_against_the_server(server, tmp_path):
+    try:
+        perf_analyzer.check()
+    except perf_analyzer.PerfAnalyzerError as exc:
+        pytest.skip(f"perf_analyzer cannot run here: {exc}")
+    found = perf_analyzer.run(server.grpc_url, 2, workload.frames(3), workload.PERSONA, tmp_path)
+    assert (found["sequences"], found["requests"], found["unanswered"]) == (2, 6, 0)
+    row = perf_analyzer.summary(2, found)
+    assert row["frames"] == 6 and 0 < row["p50"] <= row["p99"] and row["first_response_ms_p50"] > 0
+
+
+@pytest.mark.integration
+def test_in_process_pipeline_answers_every_frame(tiny_checkpoint):
+    pipeline = overhead.InProcessPipeline(1, 1, str(tiny_checkpoint))
+    try:
+        latencies = pipeline.conversation(workload.frames(3), Persona(voice="NATF0", seed=1))
+    finally:
+        pipeline.close()
+    assert len(latencies) == 3 and all(ms > 0 for ms in latencies)

@@ -4,8 +4,9 @@
 used as is, or else the generated development checkpoint in the repository's (git-ignored)
 checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; either way its Mimi
 is exported to ONNX (export/export_mimi.py), so the stages run on ONNX Runtime as served. Both
-tools are idempotent, so later sessions reuse their output at no cost. `server` is a real
-`tritonserver` serving it, one for every test module that talks to a server.
+tools are idempotent, so later sessions reuse their output at no cost. `files` is its
+`loaders.CheckpointFiles`; `server` is a real `tritonserver` serving it, one for every test
+module that talks to a server.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def tiny_checkpoint(make_tiny) -> Path:
         make_tiny.main(["--out", str(checkpoint)])
     load_export_tool("export_mimi").main(["--checkpoint", str(checkpoint)])
     return checkpoint
+
+
+@pytest.fixture(scope="session")
+def files(tiny_checkpoint):
+    from personaplex_triton import loaders
+
+    return loaders.resolve_checkpoint(tiny_checkpoint)
 
 
 @pytest.fixture(scope="session")

@@ -19,11 +19,6 @@ from mimi_parity import SLOTS, assert_parity
 
 
 @pytest.fixture(scope="session")
-def files(tiny_checkpoint):
-    return loaders.resolve_checkpoint(tiny_checkpoint)
-
-
-@pytest.fixture(scope="session")
 def mimi(files):
     return loaders.get_mimi(files)
 

@@ -15,11 +15,6 @@ NUM_SLOTS = 3
 
 
 @pytest.fixture(scope="session")
-def files(tiny_checkpoint):
-    return loaders.resolve_checkpoint(tiny_checkpoint)
-
-
-@pytest.fixture(scope="session")
 def talker(files):
     talker = Talker(loaders.get_lm(files), open_step("encoder", files), loaders.get_tokenizer(files), NUM_SLOTS)
     yield talker

@@ -11,6 +11,7 @@ on a GPU, TensorRT or PyTorch keep Mimi there), PyTorch (always), unless one is 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,27 +159,26 @@ class TensorRTRunner(StepRunner):
         return outputs[0], outputs[1:]
 
 
+def _artefact_reason(runtime: str, artefact: Path, mimi_weights: Path) -> str | None:
+    """Why `runtime` cannot run `artefact` here (stale or missing, or the package is absent)."""
+    reason = stale_reason(artefact, mimi_weights)
+    if reason is None:
+        try:
+            importlib.import_module(runtime)
+        except ImportError as exc:
+            reason = f"the {runtime} package does not import ({exc})"
+    return None if reason is None else f"{runtime}: {reason}"
+
+
 def _why_not(runtime: str, stage: str, mimi_weights: Path, device: torch.device, forced: bool) -> str | None:
     if runtime == "tensorrt":
         if device.type != "cuda":
             return "tensorrt: it needs a CUDA device"
-        reason = stale_reason(plan_path(mimi_weights, stage), mimi_weights)
-        if reason is None:
-            try:
-                import tensorrt  # noqa: F401
-            except ImportError as exc:
-                reason = f"the tensorrt package does not import ({exc})"
-        return None if reason is None else f"tensorrt: {reason}"
+        return _artefact_reason(runtime, plan_path(mimi_weights, stage), mimi_weights)
     if runtime == "onnxruntime":
         if device.type != "cpu" and not forced:
             return "onnxruntime: CPU only here, and the model runs on " + device.type
-        reason = stale_reason(onnx_path(mimi_weights, stage), mimi_weights)
-        if reason is None:
-            try:
-                import onnxruntime  # noqa: F401
-            except ImportError as exc:
-                reason = f"the onnxruntime package does not import ({exc})"
-        return None if reason is None else f"onnxruntime: {reason}"
+        return _artefact_reason(runtime, onnx_path(mimi_weights, stage), mimi_weights)
     return None
 
 

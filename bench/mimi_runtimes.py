@@ -6,7 +6,7 @@ moshi's own streaming Mimi in eager PyTorch (what the stages ran before the expo
 embedded default's whole frame for one conversation: talker tick (Mimi encode + temporal
 transformer + depformer) + code2wav tick, against the 80 ms a frame lasts.
 
-    python bench/mimi_runtimes.py [--checkpoint DIR] [--batch 1 8] [--ticks 20] [--out bench/results]
+    python -m bench.mimi_runtimes [--checkpoint DIR] [--batch 1 8] [--ticks 20] [--out bench/results]
 
 Writes mimi_runtimes.{json,md,png} under --out (the checkpoint's export must exist: `make
 export`). Medians of one run; the machine is noisy, so compare within a run.
@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import date
@@ -31,10 +29,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from personaplex_triton import loaders  # noqa: E402
+from personaplex_triton.launch import REPO_ROOT  # noqa: E402
 from personaplex_triton.mimi_runtime import RUNTIMES, RuntimeUnavailable, open_step  # noqa: E402
 from personaplex_triton.mimi_stream import MimiSlots  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from . import report as run_report  # noqa: E402
+
 MOSHI_EAGER = "moshi eager"
 FRAME_MS = 80.0
 
@@ -118,19 +118,6 @@ def time_frame_budget(files, ticks) -> dict:
             "frame_ms": total, "real_time_factor": round(total / FRAME_MS, 2)}
 
 
-def _relative(path: Path) -> str:
-    path = Path(path).resolve()
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
-
-
-def machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or "unknown CPU"
-    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-
-
 def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "mimi_runtimes.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -186,11 +173,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     files = loaders.resolve_checkpoint(loaders.checkpoint_spec(args.checkpoint or ""))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO_ROOT).stdout.strip() or "unknown"
-    report = {"date": date.today().isoformat(), "machine": machine(), "checkpoint": _relative(files.root),
-              "commit": commit, "torch": torch.__version__, "batches": args.batch, "ticks": args.ticks,
-              "command": " ".join(["python bench/mimi_runtimes.py", *(sys.argv[1:] if argv is None else argv)]),
+    machine = run_report.machine()
+    report = {"date": date.today().isoformat(),
+              "machine": f"{machine['cpu']}, {machine['cores']} cores, torch threads {torch.get_num_threads()}",
+              "checkpoint": run_report.checkpoint_label(str(files.root)),
+              "commit": run_report.git_commit(), "torch": torch.__version__, "batches": args.batch, "ticks": args.ticks,
+              "command": " ".join(["python -m bench.mimi_runtimes", *(sys.argv[1:] if argv is None else argv)]),
               "rows": time_runtimes(files, args.batch, args.ticks),
               "frame_budget": time_frame_budget(files, args.ticks)}
     write_report(report, args.out)

@@ -3,7 +3,6 @@ its results as a Markdown table file, JSON and PNG plots."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from personaplex_triton.launch import REPO_ROOT
+from personaplex_triton.mimi_artefacts import file_sha256
 
 from . import stats
 
@@ -72,11 +72,7 @@ def checkpoint_label(spec: str) -> str:
     weights = Path(spec) / "model.safetensors"
     if not weights.is_file():
         return spec
-    digest = hashlib.sha256()
-    with open(weights, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return f"{spec} (model.safetensors sha256 {digest.hexdigest()[:12]})"
+    return f"{spec} (model.safetensors sha256 {file_sha256(weights)[:12]})"
 
 
 def git_commit() -> str:

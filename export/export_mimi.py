@@ -32,7 +32,7 @@ from personaplex_triton.mimi_runtime import OnnxRuntimeRunner, TorchStepRunner, 
 from personaplex_triton.mimi_steps import STEPS, TensorSpec  # noqa: E402
 
 CHECK_BATCH, CHECK_FRAMES = 3, 4
-# A tolerance for the self-check only; tests/test_mimi_export.py holds the parity bar.
+# A tolerance for the self-check only; tests/test_mimi_runtime.py holds the parity bar.
 CHECK_TOLERANCE = 1e-3
 
 
@@ -90,7 +90,8 @@ def export_stage(stage: str, files: loaders.CheckpointFiles, mimi) -> Path:
         "checkpoint_sha256": file_sha256(files.mimi),
         "step_sha256": step_source_sha256(),
         "inputs": tensor_specs_json([step.input, *specs]),
-        "outputs": tensor_specs_json([out_spec, *(TensorSpec(f"{s.name}_out", s.shape, s.dtype) for s in specs)]),
+        "outputs": tensor_specs_json([TensorSpec(name, s.shape, s.dtype)
+                                      for name, s in zip(output_names, [out_spec, *specs])]),
         "opset": max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
         "nodes": len(model.graph.node),
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},

@@ -18,8 +18,10 @@ import json
 import os
 from pathlib import Path
 
+from .launch import REPO_ROOT
+
 EXPORT_DIR_ENV = "PERSONAPLEX_EXPORT_DIR"
-DEFAULT_EXPORT_ROOT = Path(__file__).resolve().parents[2] / "build" / "mimi"
+DEFAULT_EXPORT_ROOT = REPO_ROOT / "build" / "mimi"
 
 
 @functools.lru_cache(maxsize=8)

@@ -6,7 +6,7 @@ CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: all venv checkpoint export demo serve test bench bench-deps clean
+.PHONY: all venv checkpoint export demo serve test bench bench-deps gpu-bundle clean
 
 all: test
 
@@ -51,6 +51,11 @@ bench-deps: $(VENV)/.bench-installed
 $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[bench]'
 	touch $@
+
+# The wheels a GPU host with numpy 2 and no Triton needs (the lent H200), for Python 3.12, in two
+# parts under build/gpu-bundle/; scripts/gpu_host.sh installs them there (README: GPU serving).
+gpu-bundle:
+	scripts/gpu_host.sh bundle
 
 clean:
 	rm -rf out .pytest_cache

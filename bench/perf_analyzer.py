@@ -41,14 +41,13 @@ def binary() -> Path:
 
 def environment() -> dict[str, str]:
     """The process environment with the CUDA runtime perf_analyzer links against (libcudart.so.12,
-    from the nvidia-cuda-runtime-cu12 wheel; no GPU is needed) on LD_LIBRARY_PATH."""
+    from the nvidia-cuda-runtime-cu12 wheel, the bench extra; no GPU is needed) on
+    LD_LIBRARY_PATH, after what is there already (scripts/gpu_host.sh puts its own first)."""
     env = dict(os.environ)
     spec = importlib.util.find_spec("nvidia.cuda_runtime")
-    if spec is None or not spec.submodule_search_locations:
-        raise PerfAnalyzerError("perf_analyzer needs libcudart.so.12: pip install nvidia-cuda-runtime-cu12==12.6.77 "
-                                "(the bench extra; `make bench` installs it)")
-    lib = Path(spec.submodule_search_locations[0]) / "lib"
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(lib), env.get("LD_LIBRARY_PATH", "")) if p)
+    if spec is not None and spec.submodule_search_locations:
+        lib = Path(spec.submodule_search_locations[0]) / "lib"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (env.get("LD_LIBRARY_PATH", ""), str(lib)) if p)
     return env
 
 
@@ -61,7 +60,8 @@ def check() -> str:
     except OSError as exc:
         raise PerfAnalyzerError(f"cannot run perf_analyzer: {exc}") from exc
     if done.returncode != 0:
-        raise PerfAnalyzerError(f"perf_analyzer cannot start (Debian libb64-0d missing?): "
+        raise PerfAnalyzerError(f"perf_analyzer cannot start (Debian libb64-0d, or libcudart.so.12 from "
+                                f"nvidia-cuda-runtime-cu12==12.6.77, missing?): "
                                 f"{(done.stderr or done.stdout).strip()[-500:]}")
     return (done.stdout + done.stderr).strip()
 

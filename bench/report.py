@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_triton.launch import REPO_ROOT
 from personaplex_triton.mimi_artefacts import file_sha256
+from personaplex_triton.serving import slots_in_log
 
 from . import stats
 
@@ -52,19 +53,32 @@ def server_info(url: str, server_log: Path | None = None) -> dict:
     (pool size, checkpoint, device, `mimi_runtime`). With the server's log at hand, the Mimi
     runtime is the one each stage says it runs ("auto: onnxruntime")."""
     client = grpcclient.InferenceServerClient(url=url)
+    log = Path(server_log).read_text(errors="replace") if server_log is not None else ""
     running = mimi_runtimes_in_log(server_log) if server_log is not None else {}
+    slots = slots_in_log(log)
     try:
         info = {"triton_version": client.get_server_metadata().version}
         for model in ("talker", "code2wav"):
             config = client.get_model_config(model, as_json=True)["config"]
             params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
             configured = params.get("mimi_runtime", "")
-            info[model] = {"max_conversations": int(params.get("max_conversations", 0)),
+            configured = params.get("max_conversations", "")
+            # auto: what the stage took, where its log is at hand; else unknown (None)
+            info[model] = {"max_conversations": slots.get(model, int(configured) if configured.isdigit() else None),
                            "checkpoint": params.get("checkpoint", ""), "device": params.get("device", ""),
                            "mimi_runtime": f"{configured}: {running[model]}" if model in running else configured}
     finally:
         client.close()
     return info
+
+
+def gpu_memory_used_gib() -> float | None:
+    """GPU memory in use on this machine (all GPUs, every process), from nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    return round(sum(float(v) for v in out.split()) / 1024, 1)
 
 
 def checkpoint_label(spec: str) -> str:
@@ -125,16 +139,40 @@ def markdown(result: dict) -> str:
                   "grows along each conversation (right-hand plot), so the percentiles then depend on the "
                   f"conversation's length ({result['load'][0]['frames'] // result['load'][0]['conversations']} "
                   "frames here).", "",
-                  "| conversations | frames | p50 (ms) | p95 (ms) | p99 (ms) | late frames | first audio p50 / max (ms) "
-                  "| frames/s | real time |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+                  "Failed: conversations the server refused or ended with an error (past its slots); "
+                  "first audio of a new persona: the level's last conversation, whose persona the server had "
+                  "not seen (its prefill runs while the others talk).", "",
+                  "| conversations | frames | p50 (ms) | p95 (ms) | p99 (ms) | late frames | failed "
+                  "| first audio p50 / max (ms) | first audio, new persona (ms) | frames/s | GPU memory (GiB) "
+                  "| real time |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
         for r in result["load"]:
+            late = f"{r['late']} ({r['late_fraction']:.0%})" if r["frames"] else "-"
             lines.append(f"| {r['conversations']} | {r['frames']} | {_cell(r['p50'])} | {_cell(r['p95'])} | "
-                         f"{_cell(r['p99'])} | {r['late']} ({r['late_fraction']:.0%}) | "
-                         f"{r['first_audio_ms_p50']} / {r['first_audio_ms_max']} | {r['frames_per_s']} | "
-                         f"{'yes' if r['real_time'] else 'no'} |")
+                         f"{_cell(r['p99'])} | {late} | {r.get('failed', 0)} | "
+                         f"{_cell(r['first_audio_ms_p50'])} / {_cell(r['first_audio_ms_max'])} | "
+                         f"{_cell(r.get('first_audio_ms_new_persona'))} | {r['frames_per_s']} | "
+                         f"{_cell(r.get('gpu_memory_gib'))} | {'yes' if r['real_time'] else 'no'} |")
         lines += ["", "Largest number of conversations in real time: "
                   + (f"**{best}**." if best else "**none** of those tested."), ""]
+        traced = [r for r in result["load"] if r.get("trace", {}).get("frames_traced")]
+        if traced:
+            from personaplex_triton.trace import SEGMENTS
+
+            lines += ["### Where a frame's time goes", "",
+                      "From the stages' frame traces (`PERSONAPLEX_TRACE_DIR`) and the client's send and "
+                      "receive times, one clock: median (p99) ms of each segment of a frame's trip; then each "
+                      "stage's tick over the ticks that took these frames, and the frames per tick.", "",
+                      "| segment | " + " | ".join(f"{r['conversations']} conv." for r in traced) + " |",
+                      "| --- |" + " ---: |" * len(traced)]
+            for name, _, _ in SEGMENTS:
+                cells = [r["trace"]["segments_ms"][name] for r in traced]
+                lines.append(f"| {name} | " + " | ".join(f"{c['p50']} ({c['p99']})" if c else "-" for c in cells) + " |")
+            for stage in ("talker", "code2wav"):
+                cells = [r["trace"]["ticks"].get(stage) for r in traced]
+                lines.append(f"| {stage} tick, frames per tick | " + " | ".join(
+                    f"{c['p50_ms']} ({c['p99_ms']}), {c['rows_p50']:g}" if c else "-" for c in cells) + " |")
+            lines.append("")
     if "perf_analyzer" in result:
         lines += ["## perf_analyzer", "",
                   "`perf_analyzer` on `ensemble`, gRPC `--streaming`, `--serial-sequences` (one frame in flight "

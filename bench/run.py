@@ -24,6 +24,7 @@ import numpy as np
 from personaplex_stream import stream_conversation
 from personaplex_triton.launch import REPO_ROOT, TritonServer
 from personaplex_triton.loaders import checkpoint_spec
+from personaplex_triton.trace import TRACE_DIR_ENV
 
 from . import loadgen, overhead, perf_analyzer, report, stats
 from .workload import PERSONA, frames as user_frames
@@ -40,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="gRPC host:port of a running server; default: start one on free ports")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    parser.add_argument("--server-log", type=Path,
+                        help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
     parser.add_argument("--name", help="machine part of the file names (default: from this machine's CPU / GPU)")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--conversations", type=int, nargs="+", default=[1, 2, 4],
@@ -51,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--overhead-frames", type=int, default=25, help="frames per overhead round")
     parser.add_argument("--overhead-rounds", type=int, default=3,
                         help="in-process and Triton conversations, taking turns")
+    parser.add_argument("--new-persona", action="store_true",
+                        help="real-time load: each level's last conversation brings a persona the server has not seen")
+    parser.add_argument("--trace-dir", type=Path,
+                        help="the server's PERSONAPLEX_TRACE_DIR (it runs on this machine; a server the bench "
+                             "starts gets it set): each load level's frames are followed through the stages")
     return parser.parse_args(argv)
 
 
@@ -62,10 +70,12 @@ def main(argv=None) -> int:
     if "perf-analyzer" in args.stages:
         log(f"[perf_analyzer] {perf_analyzer.check()}")  # before a server starts: fail fast
     if args.url:
-        return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False)
+        return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
+                      server_log=args.server_log)
     log("[server] starting tritonserver on model_repository")
     args.out.mkdir(parents=True, exist_ok=True)
-    with TritonServer(log_path=args.out / "tritonserver.log") as server:
+    env = {TRACE_DIR_ENV: str(args.trace_dir)} if args.trace_dir else {}
+    with TritonServer(env=env, log_path=args.out / "tritonserver.log") as server:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
         return _bench(args, server.grpc_url, where, started, clock, local=True,
@@ -74,11 +84,10 @@ def main(argv=None) -> int:
 
 def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None) -> int:
     info = report.server_info(url, server_log)
-    slots = info["talker"]["max_conversations"]
-    for what, levels in (("--conversations", args.conversations), ("--pa-concurrency", args.pa_concurrency)):
-        if max(levels) > slots:
-            raise SystemExit(f"{what} {max(levels)}: the server's talker has {slots} conversation slots "
-                             "(max_conversations); more would be refused")
+    slots = info["talker"]["max_conversations"]  # None: auto, on a server whose log is not at hand
+    if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
+        raise SystemExit(f"--pa-concurrency {max(args.pa_concurrency)}: the server's talker has {slots} "
+                         "conversation slots (max_conversations); more would be refused")
     configured = info["talker"]["checkpoint"]
     local_checkpoint = checkpoint_spec(configured)  # what this machine resolves the server's config to
     if local or configured:
@@ -103,7 +112,8 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
 
     if "load" in args.stages:
         frames = user_frames(round(args.seconds * 1000 / stats.FRAME_MS))
-        result["load"] = loadgen.sweep(url, frames, args.conversations, log)
+        result["load"] = loadgen.sweep(url, frames, args.conversations, log, new_personas=args.new_persona,
+                                       trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib)
         result["largest_real_time"] = stats.largest_real_time(result["load"])
     if "perf-analyzer" in args.stages:
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)

@@ -35,6 +35,12 @@ def persona_for(conversation: int) -> Persona:
     return dataclasses.replace(PERSONA, seed=conversation)
 
 
+def new_persona(tag: str) -> Persona:
+    """A persona no earlier conversation used (its role prompt names `tag`): the server has
+    no cached prefill for it."""
+    return dataclasses.replace(PERSONA, text_prompt=f"{PERSONA.text_prompt} Your booking code is {tag}.")
+
+
 def persona_values(persona: Persona) -> dict[str, object]:
     """The persona inputs of a start request as {input name: Python value}, set fields only."""
     values = {}

@@ -88,7 +88,9 @@ def main(argv=None) -> int:
         reason = stale_reason(source, mimi_weights)
         if reason is not None:
             raise SystemExit(f"cannot build the {stage} engine: {reason}")
-        max_batch = args.max_batch or int(model_parameter(STAGE_MODEL[stage], "max_conversations"))
+        configured = model_parameter(STAGE_MODEL[stage], "max_conversations")
+        # auto: the decoder's GPU pool, which no talker pool exceeds.
+        max_batch = args.max_batch or (int(configured) if configured.isdigit() else loaders.GPU_DECODER_SLOTS)
         target = plan_path(mimi_weights, stage)
         built = build(source, target, max_batch, args.precision, args.workspace_gb)
         onnx_meta = read_metadata(source)

@@ -2,6 +2,11 @@
 """Write a small, deterministic PersonaPlex checkpoint for development and tests.
 
     python export/make_tiny_checkpoint.py --out checkpoints/tiny [--seed 0] [--force]
+    python export/make_tiny_checkpoint.py --size 7b --device cuda --out checkpoints/7b
+
+`--size 7b` writes the published shape instead: PersonaPlex's 7B LM (16 depformer codebooks,
+8.37 B parameters) with random bf16 weights, built on `--device` (a GPU: about 17 GB), for
+measuring the real model's speed and memory; everything else is as for the small one.
 
 The folder has exactly the layout of `nvidia/personaplex-7b-v1`, so the loader that reads the
 real weights (personaplex_triton.loaders) reads it too:
@@ -10,6 +15,7 @@ real weights (personaplex_triton.loaders) reads it too:
                                                   depformer, same delays, vocabularies and
                                                   special tokens) at the widths of
                                                   loaders.TINY_LM_SIZE; random weights, fp32
+                                                  (--size 7b: the 7B widths, bf16)
     tokenizer-e351c8d8-checkpoint125.safetensors  Mimi at full size, random weights and random
                                                   (non-zero) codebooks, fp32
     tokenizer_spm_32k_3.model                     SentencePiece trained on
@@ -72,6 +78,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     from personaplex_triton import loaders
 
 TOOL_VERSION = "2"
+SIZES = ("tiny", "7b")
 STAMP_NAME = ".generated"
 DEFAULT_CORPUS = REPO_ROOT / "export" / "tokenizer_corpus.txt"
 DEFAULT_VOICE_PROMPTS = REPO_ROOT / "export" / "voice_prompts"
@@ -85,9 +92,9 @@ _SPLIT_PROJ = re.compile(
     r"^(?P<prefix>.*\.self_attn\.)(?P<kind>in|out)_projs\.(?P<step>\d+)\.weight$")
 
 
-def tiny_lm_kwargs() -> dict:
-    """PersonaPlex's LM settings at the tiny widths (what loaders.lm_kwargs reads back)."""
-    return {**loaders.PERSONAPLEX_LM_KWARGS, **loaders.TINY_LM_SIZE}
+def tiny_lm_kwargs(size: str = "tiny") -> dict:
+    """PersonaPlex's LM settings at the size's widths (what loaders.lm_kwargs reads back)."""
+    return {**loaders.PERSONAPLEX_LM_KWARGS, **(loaders.TINY_LM_SIZE if size == "tiny" else {})}
 
 
 def to_reference_layout(state: dict) -> dict:
@@ -128,13 +135,15 @@ def _save_safetensors(state: dict, path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def build_lm(seed: int, text_vocab_size: int):
-    """PyPI moshi's LMModel with PersonaPlex's architecture at tiny widths, fp32 on CPU."""
+def build_lm(seed: int, text_vocab_size: int, size: str = "tiny", device: str = "cpu"):
+    """PyPI moshi's LMModel with PersonaPlex's architecture at the size's widths: tiny in fp32,
+    7b in bf16 (as published), on `device`."""
     import torch
     from moshi.models.lm import LMModel
 
     torch.manual_seed(seed)
-    lm = LMModel(device="cpu", dtype=torch.float32, **tiny_lm_kwargs()).eval()
+    dtype = torch.float32 if size == "tiny" else torch.bfloat16
+    lm = LMModel(device=device, dtype=dtype, **tiny_lm_kwargs(size)).eval()
 
     # Calibrate the output heads on random tokens so the logits are informative.
     gen = torch.Generator().manual_seed(seed)
@@ -142,7 +151,7 @@ def build_lm(seed: int, text_vocab_size: int):
     text = torch.randint(0, text_vocab_size, (2, 1, steps), generator=gen)
     audio = torch.randint(0, lm.card, (2, lm.n_q, steps), generator=gen)
     with torch.no_grad():
-        out = lm(torch.cat([text, audio], dim=1))
+        out = lm(torch.cat([text, audio], dim=1).to(device))
         text_std = out.text_logits[..., :text_vocab_size].std()  # text has no delay: no NaN
         lm.text_linear.weight.mul_(_gain(LOGIT_STD / text_std))
         lm.text_linear.weight[text_vocab_size:] = 0.0
@@ -153,11 +162,10 @@ def build_lm(seed: int, text_vocab_size: int):
     return lm
 
 
-def write_lm(out_dir: Path, seed: int, text_vocab_size: int):
-    """model.safetensors, in the reference's key layout; returns the in-memory model."""
-    lm = build_lm(seed, text_vocab_size)
+def write_lm(out_dir: Path, seed: int, text_vocab_size: int, size: str = "tiny", device: str = "cpu") -> None:
+    """model.safetensors, in the reference's key layout."""
+    lm = build_lm(seed, text_vocab_size, size, device)
     _save_safetensors(to_reference_layout(lm.state_dict()), out_dir / loaders.MOSHI_NAME)
-    return lm
 
 
 def _calibration_audio(gen, seconds: float = 4.0, rate: int = 24000):
@@ -302,9 +310,10 @@ def copy_voices(out_dir: Path, voice_prompts: Path) -> list[str]:
     return [wav.stem for wav in wavs]
 
 
-def write_voice_bundles(out_dir: Path) -> None:
+def write_voice_bundles(out_dir: Path, device: str = "cpu") -> float:
     """voices/NAME.pt beside each NAME.wav: PersonaPlex's embedding bundles, made by playing
-    the WAV prompt through the LM and Mimi just written (so the loader is exercised too)."""
+    the WAV prompt through the LM and Mimi just written (so the loader is exercised too).
+    Returns the seconds the loader took to read the LM."""
     import torch
 
     from personaplex_triton import loaders
@@ -314,18 +323,22 @@ def write_voice_bundles(out_dir: Path) -> None:
 
     files = loaders.resolve_checkpoint(out_dir)
     # torch: the ONNX export is made from the checkpoint, after it.
-    encoder = open_step("encoder", files, runtime="torch")
-    talker = Talker(loaders.get_lm(files), encoder, loaders.get_tokenizer(files), 1)
+    encoder = open_step("encoder", files, runtime="torch", device=device)
+    started = time.monotonic()
+    lm = loaders.get_lm(files, device)
+    load_s = time.monotonic() - started
+    talker = Talker(lm, encoder, loaders.get_tokenizer(files), 1)
     try:
         for wav in sorted(files.voices.glob("*.wav")):
             torch.save(make_voice_bundle(talker, load_voice(wav)), wav.with_suffix(".pt"))
     finally:
         talker.close()
+    return load_s
 
 
-def write_config(out_dir: Path) -> None:
+def write_config(out_dir: Path, size: str = "tiny") -> None:
     """config.json: the LM width keys, as a flat object of LM kwargs (moshi's style)."""
-    config = {key: loaders.TINY_LM_SIZE[key] for key in loaders.LM_SIZE_KEYS}
+    config = {key: tiny_lm_kwargs(size)[key] for key in loaders.LM_SIZE_KEYS}
     (out_dir / loaders.CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -333,16 +346,19 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def expected_stamp(seed: int, corpus: Path, voice_prompts: Path) -> dict:
-    """What .generated holds: the tool version, the seed, and digests of the input files."""
+def expected_stamp(seed: int, corpus: Path, voice_prompts: Path, size: str = "tiny") -> dict:
+    """What .generated holds: the tool version, size, seed, and digests of the input files."""
     voices = sorted(voice_prompts.glob("*.wav")) if voice_prompts.is_dir() else []
-    return {
+    stamp = {
         "tool": "make_tiny_checkpoint",
         "version": TOOL_VERSION,
         "seed": seed,
         "corpus_sha256": _sha256(corpus) if corpus.is_file() else None,
         "voices_sha256": {wav.name: _sha256(wav) for wav in voices},
     }
+    if size != "tiny":  # the tiny checkpoint's stamp stays as it was: no needless regeneration
+        stamp["size"] = size
+    return stamp
 
 
 def is_complete(out: Path, stamp: dict) -> bool:
@@ -381,13 +397,14 @@ def _install(tmp: Path, out: Path, stamp: dict) -> None:
 
 
 def generate(out: Path, seed: int = 0, force: bool = False, corpus: Path = DEFAULT_CORPUS,
-             voice_prompts: Path = DEFAULT_VOICE_PROMPTS) -> bool:
-    """Write the checkpoint to `out`; returns False when it was already up to date."""
+             voice_prompts: Path = DEFAULT_VOICE_PROMPTS, size: str = "tiny", device: str = "cpu") -> dict | None:
+    """Write the checkpoint to `out`; returns None when it was already up to date, else the
+    seconds spent: {"lm_write_s", "lm_load_s", "total_s"}."""
     out = Path(out).absolute()
     corpus, voice_prompts = Path(corpus), Path(voice_prompts)
-    stamp = expected_stamp(seed, corpus, voice_prompts)
+    stamp = expected_stamp(seed, corpus, voice_prompts, size)
     if not force and is_complete(out, stamp):
-        return False
+        return None
     if not corpus.is_file():
         raise SystemExit(f"tokenizer corpus {corpus} does not exist")
     import torch
@@ -396,13 +413,17 @@ def generate(out: Path, seed: int = 0, force: bool = False, corpus: Path = DEFAU
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as fast here (small ops) and much faster on a busy machine
+    started = time.monotonic()
     try:
         vocab_size = write_tokenizer(tmp, corpus)
-        write_lm(tmp, seed, vocab_size)
+        write_lm(tmp, seed, vocab_size, size, device)
+        lm_write_s = time.monotonic() - started
+        if device != "cpu":
+            torch.cuda.empty_cache()  # the generated LM is freed: the loader reads it back
         write_mimi(tmp, seed)
         copy_voices(tmp, voice_prompts)
-        write_config(tmp)
-        write_voice_bundles(tmp)
+        write_config(tmp, size)
+        lm_load_s = write_voice_bundles(tmp, device)
         (tmp / STAMP_NAME).write_text(json.dumps(stamp, indent=2) + "\n")
         _make_readable(tmp)
         _install(tmp, out, stamp)
@@ -410,7 +431,8 @@ def generate(out: Path, seed: int = 0, force: bool = False, corpus: Path = DEFAU
         torch.set_num_threads(threads)
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return True
+    return {"lm_write_s": round(lm_write_s, 1), "lm_load_s": round(lm_load_s, 1),
+            "total_s": round(time.monotonic() - started, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,13 +444,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokenizer training text")
     parser.add_argument("--voice-prompts", type=Path, default=DEFAULT_VOICE_PROMPTS,
                         help="folder of voice prompt WAVs to copy")
+    parser.add_argument("--size", choices=SIZES, default="tiny",
+                        help="tiny (development) or 7b (the published shape, bf16: use a GPU)")
+    parser.add_argument("--device", default="cpu", help="where the LM is built and the voices played")
     args = parser.parse_args(argv)
 
     start = time.monotonic()
-    wrote = generate(args.out, args.seed, args.force, args.corpus, args.voice_prompts)
+    timings = generate(args.out, args.seed, args.force, args.corpus, args.voice_prompts, args.size, args.device)
     elapsed = time.monotonic() - start
-    state = "wrote" if wrote else "up to date, nothing to do:"
-    print(f"{state} {args.out.absolute()} (seed {args.seed}) in {elapsed:.1f} s")
+    if timings is None:
+        print(f"up to date, nothing to do: {args.out.absolute()} (seed {args.seed}) in {elapsed:.1f} s")
+    else:
+        print(f"wrote {args.out.absolute()} ({args.size}, seed {args.seed}) in {elapsed:.1f} s: LM built and "
+              f"written in {timings['lm_write_s']} s, read back by the loader in {timings['lm_load_s']} s")
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from personaplex_triton.launch import TritonServer
+from personaplex_triton.trace import TRACE_DIR_ENV
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
@@ -56,6 +57,9 @@ def files(tiny_checkpoint):
 
 @pytest.fixture(scope="session")
 def server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as srv:
+    """The server, with its frame traces (trace.py) in `server.trace_dir`."""
+    folder = tmp_path_factory.mktemp("triton")
+    env = {"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint), TRACE_DIR_ENV: str(folder / "trace")}
+    with TritonServer(env=env, log_path=folder / "tritonserver.log") as srv:
+        srv.trace_dir = folder / "trace"
         yield srv

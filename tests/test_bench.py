@@ -6,7 +6,7 @@ import pytest
 
 from bench import loadgen, overhead, perf_analyzer, report, stats, workload
 from personaplex_stream import Persona
-from personaplex_triton import contract
+from personaplex_triton import contract, loaders
 
 
 def test_percentiles_and_late_frames():
@@ -76,13 +76,20 @@ def test_persona_inputs_are_named_and_typed_as_the_contract_says():
 
 @pytest.mark.integration
 def test_load_generator_and_report_against_the_server(server):
-    rows = loadgen.sweep(server.grpc_url, workload.frames(4), [1, 2], log=lambda _: None)
+    rows = loadgen.sweep(server.grpc_url, workload.frames(4), [1, 2], log=lambda _: None, new_personas=True,
+                         trace_dir=server.trace_dir)
     for n, row in zip((1, 2), rows):
         assert row["conversations"] == n and row["frames"] == 4 * n == sum(map(len, row["latencies_ms"]))
         assert 0 < row["p50"] <= row["p95"] <= row["p99"] and 0 <= row["late"] <= row["frames"]
-        assert row["first_audio_ms_p50"] > 0 and row["frames_per_s"] > 0
-    info = report.server_info(server.grpc_url)
-    assert info["talker"]["max_conversations"] >= 2 and info["code2wav"]["mimi_runtime"]
+        assert row["first_audio_ms_p50"] > 0 and row["frames_per_s"] > 0 and row["failed"] == 0
+        # every frame followed through both stages, its trip's segments in order of time
+        trace = row["trace"]
+        assert trace["frames_traced"] == row["frames"]
+        assert trace["segments_ms"]["talker tick"]["p50"] > 0 and trace["ticks"]["code2wav"]["ticks"] > 0
+    assert "first_audio_ms_new_persona" not in rows[0] and rows[1]["first_audio_ms_new_persona"] > 0
+    info = report.server_info(server.grpc_url, server.log_path)
+    assert info["talker"]["max_conversations"] == loaders.CPU_TALKER_SLOTS  # auto, read from the log
+    assert info["code2wav"]["mimi_runtime"]
     header = {"date": "2026-01-01", "started": "2026-01-01 00:00 UTC", "command": "python -m bench.run",
               "machine": report.machine(), "server": "test", "triton_version": info["triton_version"],
               "checkpoint": "tiny", "talker": info["talker"], "code2wav": info["code2wav"], "commit": "x",

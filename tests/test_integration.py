@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton import audio, contract, loaders
-from personaplex_triton.launch import model_parameter
+from personaplex_triton.serving import slots_in_log
 
 pytestmark = pytest.mark.integration
 
@@ -21,8 +21,9 @@ FIVE_SECONDS = 63  # frames: 63 * 80 ms = 5.04 s
 PROMPT = "You are a wise and friendly teacher. Answer questions or provide advice in a clear and engaging way."
 
 
-def pool_size(model: str) -> int:
-    return int(model_parameter(model, "max_conversations"))
+def pool_size(server, model: str) -> int:
+    """The slots the server's stage took (max_conversations is auto), from its log."""
+    return slots_in_log(server.log_path.read_text())[model]
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +39,7 @@ def solo(server, user_audio):
 
 
 @pytest.fixture(scope="session")
-def in_process(tiny_checkpoint):
+def in_process(server, tiny_checkpoint):
     """The same two stages run in this process, without Triton, at the server's pool sizes."""
     from personaplex_triton.code2wav import Code2Wav
     from personaplex_triton.mimi_runtime import open_step
@@ -48,8 +49,8 @@ def in_process(tiny_checkpoint):
 
     files = loaders.resolve_checkpoint(tiny_checkpoint)
     tokenizer = loaders.get_tokenizer(files)
-    talker = Talker(loaders.get_lm(files), open_step("encoder", files), tokenizer, pool_size("talker"))
-    decoder = Code2Wav(open_step("decoder", files), pool_size("code2wav"))
+    talker = Talker(loaders.get_lm(files), open_step("encoder", files), tokenizer, pool_size(server, "talker"))
+    decoder = Code2Wav(open_step("decoder", files), pool_size(server, "code2wav"))
     library = PersonaLibrary(files, tokenizer)
 
     def run(pcm, voice, prompt, seed):

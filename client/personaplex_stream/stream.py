@@ -168,6 +168,8 @@ class ConversationResult:
     first_audio_ms: time from the first send to the first response.
     wall_s: time from the first send to the last response.
     send_offsets_s: per frame, its send time after the first frame's.
+    started_at: wall-clock time (time.time()) of the first send, to line frames up with
+    server-side traces.
     """
 
     audio: np.ndarray
@@ -179,6 +181,7 @@ class ConversationResult:
     latencies_ms: list = field(default_factory=list)
     wall_s: float = 0.0
     send_offsets_s: list = field(default_factory=list)
+    started_at: Optional[float] = None
 
     @property
     def text(self) -> str:
@@ -319,6 +322,7 @@ def stream_conversation(
     text_pieces: list = []
     state = {"received": 0, "last_event": 0.0}
     first_send = None
+    started_at = None
     last_recv = None
     ok = False
     stream_started = False
@@ -424,6 +428,7 @@ def stream_conversation(
             now = time.perf_counter()
             if first_send is None:
                 first_send = now
+                started_at = time.time() - (time.perf_counter() - now)
                 state["last_event"] = now
             elif state["received"] == sent:
                 # Nothing was outstanding: the stall clock starts with this frame.
@@ -468,6 +473,7 @@ def stream_conversation(
         latencies_ms=latencies_ms,
         wall_s=(last_recv - first_send) if (last_recv is not None and first_send is not None) else 0.0,
         send_offsets_s=[t - send_times[0] for t in send_times[:sent]],
+        started_at=started_at,
     )
 
 

@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from .trace import FrameTrace
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +47,7 @@ class _Conversation:
     key: int
     setup: Any
     slot: int | None = None
-    queue: deque = field(default_factory=deque)     # (request, item) pairs not yet ticked
+    queue: deque = field(default_factory=deque)     # (request, item, queued at) not yet ticked
     requests: list = field(default_factory=list)    # requests not yet done
     closing: bool = False
     answered: int = 0  # items answered so far, over all its requests
@@ -59,10 +61,11 @@ class SlotEngine:
         a client that vanishes, a sequence that Triton times out)."""
         self.stage = stage
         self.evict_after_s = evict_after_s
+        self.trace = FrameTrace(name)
         self._cond = threading.Condition()
         self._open: dict[int, _Conversation] = {}  # by key: those that take more requests
         self._all: list[_Conversation] = []        # every conversation holding or awaiting a slot
-        self._free = list(range(stage.num_slots))[::-1]
+        self._free = list(range(stage.num_slots))
         self._to_start: deque[_Conversation] = deque()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -108,7 +111,8 @@ class SlotEngine:
             if conv is None:
                 raise ConversationError(
                     f"conversation {key} is not open (its start request failed, was never sent, or it ended)")
-            conv.queue.extend((request, item) for item in request.items)
+            queued = time.time()
+            conv.queue.extend((request, item, queued) for item in request.items)
             conv.last_active = time.monotonic()
             if request.items:
                 conv.requests.append(request)
@@ -163,17 +167,17 @@ class SlotEngine:
                 starting = list(self._to_start)
                 self._to_start.clear()
                 for conv in starting:
-                    if conv.slot is None:
-                        conv.slot = self._free.pop()
+                    if conv.slot is None:  # the lowest free slot: steps run on the first rows
+                        conv.slot = min(self._free)
+                        self._free.remove(conv.slot)
             for conv in starting:
                 self._start(conv)
             with self._cond:
-                batch: dict[int, tuple[_Conversation, _Request, Any]] = {}
+                batch: dict[int, tuple[_Conversation, _Request, Any, float]] = {}
                 for conv in self._all:
                     if conv.slot is None or not conv.queue or self.stage.prefilling(conv.slot):
                         continue
-                    request, item = conv.queue.popleft()
-                    batch[conv.slot] = (conv, request, item)
+                    batch[conv.slot] = (conv, *conv.queue.popleft())
                 prefilling = any(self.stage.prefilling(c.slot) for c in self._all if c.slot is not None)
             if batch or prefilling:
                 self._tick(batch)
@@ -186,24 +190,29 @@ class SlotEngine:
             self._fail(conv, f"could not start the conversation: {exc}")
 
     def _tick(self, batch) -> None:
+        tick_start = time.time()
         try:
-            outputs = self.stage.tick({slot: item for slot, (_, _, item) in batch.items()})
+            outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
         except Exception as exc:
             log.exception("tick failed")
-            for conv, _, _ in batch.values():
+            for conv, _, _, _ in batch.values():
                 self._fail(conv, f"internal error while stepping: {exc}")
             return
-        for slot, (conv, request, _) in batch.items():
+        tick_end = time.time()
+        for slot, (conv, request, _, queued) in batch.items():
             if slot not in outputs:
                 self._fail(conv, "internal error: the stage produced no output for a frame")
                 continue
             request.on_output(outputs[slot], conv.answered)
+            if self.trace.enabled:
+                self.trace.frame(conv.key, conv.answered, queued, tick_start, tick_end, len(batch), time.time())
             conv.answered += 1
             request.answered += 1
             if request.answered == len(request.items):
                 with self._cond:
                     conv.requests.remove(request)
                 request.on_done(None)
+        self.trace.flush()
 
     def _fail(self, conv: _Conversation, message: str) -> None:
         """End a conversation: every request it still owes answers to gets the error."""

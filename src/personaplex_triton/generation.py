@@ -11,23 +11,47 @@ stream aligned: text, agent cb0..7 (ready for the Mimi decoder) and the user's e
 
 Every slot keeps its own position, so slots join, idle and leave independently: rows outside
 `active` are left untouched (moshi's exec mask keeps their transformer state).
+
+A step runs on the first `b` slots only, `b` a batch bucket (1, 2, 4, ... up to the pool): the
+streaming state of every module is viewed as its first `b` rows, so a tick of 3 conversations
+in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there is one graph per
+(batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
+client sends makes the server capture another.
 """
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from moshi.utils.compile import CUDAGraphed
 
+from . import loaders
 from .sampling import SamplingParams, SlotSampling, sample
 
 NUM_AUDIO = 8  # codebooks per audio stream
 
 
+def batch_buckets(num_slots: int) -> tuple[int, ...]:
+    """The batch sizes a step runs at: powers of two below the pool, then the pool."""
+    sizes = [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots]
+    return (*sizes, num_slots)
+
+
+def bucket_for(value: int, buckets) -> int:
+    """The smallest bucket >= value."""
+    for bucket in buckets:
+        if bucket >= value:
+            return bucket
+    raise ValueError(f"{value} is above the largest bucket {buckets[-1]}")
+
+
 @dataclass
 class StepInputs:
-    """What is forced at one step, per slot: [S] masks, [S, 8] codes, [S] text tokens."""
+    """What is forced at one step, for the first b slots (b a batch bucket): [b] masks,
+    [b, 8] codes, [b] text tokens."""
 
     active: torch.Tensor
     user_codes: torch.Tensor
@@ -44,6 +68,22 @@ def _batch_tensors(state, batch_size: int):
     for name, value in vars(state).items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
             yield name, value
+
+
+def _rows_view(state, num_slots: int, rows: int):
+    """A moshi streaming state whose tensors are views of the first `rows` rows of `state`'s,
+    so a module stepped on it reads and writes the pool's own memory."""
+    view = copy.copy(state)
+    view.batch_size = rows
+    for name, value in _batch_tensors(state, num_slots):
+        setattr(view, name, value[:rows])
+    kv = getattr(state, "kv_cache", None)
+    if kv is not None:  # moshi's RingKVCache: cache [2, B, heads, capacity, dim], end_offset [B]
+        kv_view = copy.copy(kv)
+        kv_view.cache = kv.cache[:, :rows]
+        kv_view.end_offset = kv.end_offset[:rows]
+        view.kv_cache = kv_view
+    return view
 
 
 class SlotGenerator:
@@ -64,12 +104,17 @@ class SlotGenerator:
         self.offset = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.initial = lm._get_initial_token()[0, :, 0]  # [17]
         self.sampling = SlotSampling(num_slots, device)
-        self.max_top_k = 1
-        self.max_top_k_text = 1
+        self.top_k_bound = loaders.TOP_K_BUCKETS[0]
+        self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
+        self.buckets = batch_buckets(num_slots)
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
-        self._graphs: dict[tuple[int, int], CUDAGraphed] = {}
+        self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
+        modules = [m for m in lm.transformer.modules() if getattr(m, "_streaming_state", None) is not None]
+        self._row_views = {b: [(m, _rows_view(m._streaming_state, num_slots, b)) for m in modules]
+                           for b in self.buckets}
+        self._full_states = [(m, m._streaming_state) for m in modules]
 
     def close(self) -> None:
         self._streaming.__exit__(None, None, None)
@@ -90,8 +135,9 @@ class SlotGenerator:
         self.provided[slot, :, 0] = True
         self.offset[slot] = 1
         self.sampling.set(slot, params)
-        self.max_top_k = max(int(self.sampling.top_k.max()), 1)
-        self.max_top_k_text = max(int(self.sampling.top_k_text.max()), 1)
+        # Graphs are keyed by fixed top-k buckets, never by a client's value.
+        self.top_k_bound = bucket_for(max(int(self.sampling.top_k.max()), 1), loaders.TOP_K_BUCKETS)
+        self.top_k_text_bound = bucket_for(max(int(self.sampling.top_k_text.max()), 1), loaders.TOP_K_TEXT_BUCKETS)
 
     def snapshot(self, slot: int) -> dict:
         """A copy of everything `slot` has accumulated: its token grid and the temporal
@@ -140,62 +186,104 @@ class SlotGenerator:
         return x + lm.text_emb(tokens[:, 0:1])
 
     # -- one batched step ------------------------------------------------------------------
+    def capture_graphs(self) -> int:
+        """Capture every graph serving can use (each batch bucket x top-k bucket) by running a
+        step with no slot active, which leaves every slot's state as it was. Returns how many."""
+        if not self.cuda_graphs:
+            return 0
+        bounds = (self.top_k_text_bound, self.top_k_bound)
+        for b in self.buckets:
+            idle = self._idle_inputs(b)
+            for self.top_k_text_bound in loaders.TOP_K_TEXT_BUCKETS:
+                for self.top_k_bound in loaders.TOP_K_BUCKETS:
+                    for _ in range(2):  # moshi's CUDAGraphed: a warm-up call, then the capture
+                        self.step(idle)
+        self.top_k_text_bound, self.top_k_bound = bounds
+        return len(self._graphs)
+
     @torch.no_grad()
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Advance every active slot by one position.
+        """Advance every active slot among the first b by one position (b = the inputs' rows,
+        a batch bucket).
 
-        Returns (tokens [S, 17] of position o - 1, has_output [S], input embeddings [S, 1, dim]);
+        Returns (tokens [b, 17] of position o - 1, has_output [b], input embeddings [b, 1, dim]);
         rows without output (inactive, or still inside the delays) hold garbage.
         """
-        lm, S, K, CT = self.lm, self.num_slots, self.num_codebooks, self.ring
+        lm, K, CT = self.lm, self.num_codebooks, self.ring
         active = inputs.active
-        rows = torch.arange(S, device=self.device)
-        o = self.offset
+        b = active.shape[0]
+        if b not in self._row_views:
+            raise ValueError(f"a step runs on a batch bucket {self.buckets}, not on {b} rows")
+        cache, provided = self.cache[:b], self.provided[:b]
+        rows = torch.arange(b, device=self.device)
+        o = self.offset[:b].clone()
 
         # 1. forced tokens land at o + delay.
-        forced = torch.zeros((S, K), dtype=torch.long, device=self.device)
+        forced = torch.zeros((b, K), dtype=torch.long, device=self.device)
         forced[:, 0] = inputs.text_token
         forced[:, 1:1 + NUM_AUDIO] = inputs.agent_codes
         forced[:, 1 + NUM_AUDIO:] = inputs.user_codes
-        is_forced = torch.zeros((S, K), dtype=torch.bool, device=self.device)
+        is_forced = torch.zeros((b, K), dtype=torch.bool, device=self.device)
         is_forced[:, 0] = inputs.text_forced
         is_forced[:, 1:1 + NUM_AUDIO] = inputs.agent_forced[:, None]
         is_forced[:, 1 + NUM_AUDIO:] = True
         is_forced &= active[:, None]
-        write = (o[:, None] + self.delays[None, :]) % CT  # [S, K]
-        self._scatter(write, forced, is_forced)
+        write = (o[:, None] + self.delays[None, :]) % CT  # [b, K]
+        _scatter(cache, provided, write, forced, is_forced)
         # 2. the delayed streams start from the initial token.
         at_start = (o[:, None] <= self.delays[None, :]) & active[:, None]
-        self._scatter((o % CT)[:, None].expand(S, K), self.initial[None, :].expand(S, K), at_start)
+        _scatter(cache, provided, (o % CT)[:, None].expand(b, K), self.initial[None, :].expand(b, K), at_start)
 
         # 3. the transformer reads position o - 1 and predicts position o.
-        src = ((o - 1) % CT)[:, None, None].expand(S, K, 1)
-        dst = (o % CT)[:, None, None].expand(S, K, 1)
-        model_input = self.cache.gather(2, src)[:, :, 0]
-        target = self.cache.gather(2, dst)[:, :, 0]
-        target_provided = self.provided.gather(2, dst)[:, :, 0]
+        src = ((o - 1) % CT)[:, None, None].expand(b, K, 1)
+        dst = (o % CT)[:, None, None].expand(b, K, 1)
+        model_input = cache.gather(2, src)[:, :, 0]
+        target = cache.gather(2, dst)[:, :, 0]
+        target_provided = provided.gather(2, dst)[:, :, 0]
 
         emb = self.embed(model_input)
         if inputs.embeddings is not None:
             emb = torch.where(inputs.embed_rows[:, None, None], inputs.embeddings.to(emb), emb)
-        lm.set_exec_mask(active)
-        sampled = self._graphed_model_step()(emb, target, target_provided, o)
+        exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        exec_mask[:b] = active
+        lm.set_exec_mask(exec_mask)
+        with self._rows(b):
+            sampled = self._graphed_model_step(b)(emb, target, target_provided, o)
 
         # 4. samples fill position o where nothing was forced; o - 1 is done.
-        self._scatter(dst[:, :, 0], sampled, ~(target_provided | ~active[:, None]))
-        clear = ((o - 1) % CT)[:, None].expand(S, K)
-        self.provided[rows[:, None], torch.arange(K, device=self.device)[None, :], clear] &= ~active[:, None]
+        _scatter(cache, provided, dst[:, :, 0], sampled, ~(target_provided | ~active[:, None]))
+        clear = ((o - 1) % CT)[:, None].expand(b, K)
+        provided[rows[:, None], torch.arange(K, device=self.device)[None, :], clear] &= ~active[:, None]
 
         has_output = active & (o > self.max_delay)
         out_pos = (o[:, None] - self.max_delay + self.delays[None, :]) % CT
-        tokens = self.cache.gather(2, out_pos[:, :, None])[:, :, 0]
-        self.offset = torch.where(active, o + 1, o)
+        tokens = cache.gather(2, out_pos[:, :, None])[:, :, 0]
+        self.offset[:b] = torch.where(active, o + 1, o)
         return tokens, has_output, emb
 
-    def _graphed_model_step(self) -> CUDAGraphed:
+    def _idle_inputs(self, b: int) -> StepInputs:
+        """A step of b rows with none active: it changes no slot's state."""
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return StepInputs(active=zeros(b, dtype=torch.bool), user_codes=zeros(b, NUM_AUDIO),
+                          agent_codes=zeros(b, NUM_AUDIO), agent_forced=zeros(b, dtype=torch.bool),
+                          text_token=zeros(b), text_forced=zeros(b, dtype=torch.bool))
+
+    @contextmanager
+    def _rows(self, b: int):
+        """The transformer's modules see only the first b rows of their streaming state."""
+        for module, view in self._row_views[b]:
+            module._streaming_state = view
+        try:
+            yield
+        finally:
+            for module, state in self._full_states:
+                module._streaming_state = state
+
+    def _graphed_model_step(self, b: int) -> CUDAGraphed:
         """The model's part of a step, under a CUDA graph on GPUs (eager PyTorch is
-        launch-bound there); one graph per top-k bound, as those set the shapes."""
-        key = (self.max_top_k_text, self.max_top_k)
+        launch-bound there); one graph per batch bucket and top-k bucket, as those set the shapes."""
+        key = (b, self.top_k_text_bound, self.top_k_bound)
         if key not in self._graphs:
             self._graphs[key] = CUDAGraphed(self._model_step, disable=not self.cuda_graphs)
         return self._graphs[key]
@@ -203,34 +291,37 @@ class SlotGenerator:
     def _model_step(self, emb, target, target_provided, step):
         """Temporal transformer on the input embeddings [S, 1, dim], then the text token and
         the 16 depformer codebooks: [S, 17] sampled tokens of position `step`."""
-        lm, smp = self.lm, self.sampling
+        lm, smp = self.lm, self.sampling.rows(emb.shape[0])
         transformer_out = lm.transformer(emb)
         if lm.out_norm:
             transformer_out = lm.out_norm(transformer_out)
         text_logits = lm.text_linear(transformer_out)[:, 0]
         text = sample(text_logits, smp.greedy, smp.temperature_text, smp.top_k_text,
-                      smp.seed, step, 0, self.max_top_k_text)
+                      smp.seed, step, 0, self.top_k_text_bound)
         first = torch.where(target_provided[:, 0], target[:, 0], text)
         audio = self._depformer(transformer_out, first, target[:, 1:], target_provided[:, 1:], step)
         return torch.cat([text[:, None], audio], dim=1)
 
     def _depformer(self, transformer_out, first_input, forced, forced_mask, step):
-        lm, smp = self.lm, self.sampling
+        lm, smp = self.lm, self.sampling.rows(first_input.shape[0])
         tokens = []
         prev = first_input
-        with lm.depformer.streaming(self.num_slots):
+        with lm.depformer.streaming(first_input.shape[0]):
             for cb in range(lm.dep_q):
                 logits = lm.forward_depformer(cb, prev[:, None, None], transformer_out)[:, 0, 0]
                 token = sample(logits, smp.greedy, smp.temperature, smp.top_k,
-                               smp.seed, step, 1 + cb, self.max_top_k)
+                               smp.seed, step, 1 + cb, self.top_k_bound)
                 tokens.append(token)
                 prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
         return torch.stack(tokens, dim=1)
 
-    def _scatter(self, positions: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
-        """cache[s, k, positions[s, k]] = values[s, k] and provided = True, where mask[s, k]."""
-        idx = positions[:, :, None]
-        current = self.cache.gather(2, idx)[:, :, 0]
-        self.cache.scatter_(2, idx, torch.where(mask, values, current)[:, :, None])
-        was = self.provided.gather(2, idx)[:, :, 0]
-        self.provided.scatter_(2, idx, (was | mask)[:, :, None])
+
+
+def _scatter(cache: torch.Tensor, provided: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+             mask: torch.Tensor) -> None:
+    """cache[s, k, positions[s, k]] = values[s, k] and provided = True, where mask[s, k]."""
+    idx = positions[:, :, None]
+    current = cache.gather(2, idx)[:, :, 0]
+    cache.scatter_(2, idx, torch.where(mask, values, current)[:, :, None])
+    was = provided.gather(2, idx)[:, :, 0]
+    provided.scatter_(2, idx, (was | mask)[:, :, None])

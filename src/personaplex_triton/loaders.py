@@ -81,6 +81,15 @@ TINY_LM_SIZE = {
     "depformer_num_layers": 2,
 }
 
+# Conversation slots per stage when max_conversations is "auto". On a GPU the talker takes what
+# fits in free memory beside GPU_RESERVED_BYTES (graphs, persona cache, the decoder's process);
+# the decoder keeps more slots than the talker can fill, since a conversation that ends
+# without FINAL holds its decoder slot until replaced (its state is 8 MB).
+CPU_TALKER_SLOTS = 4
+CPU_DECODER_SLOTS = 8
+GPU_DECODER_SLOTS = 192
+GPU_RESERVED_BYTES = 8 << 30
+
 # Token ids and prefill constants (NVIDIA/personaplex, moshi/models/lm.py).
 TEXT_PROMPT_PAD = 3          # text token forced while the voice prompt and silences play
 SILENCE_TOKENS = (948, 243, 1178, 546, 1736, 1030, 1978, 2008)  # Mimi codes of silence
@@ -94,6 +103,11 @@ TEMPERATURE = 0.8
 TEMPERATURE_TEXT = 0.7
 TOP_K = 250
 TOP_K_TEXT = 25
+# Sampling reads the top-k candidates of a fixed bound per step, the smallest of these buckets
+# that holds every live conversation's top-k: a fixed set of shapes (CUDA graphs), whatever
+# clients ask. The last bucket is the largest top-k accepted.
+TOP_K_BUCKETS = (TOP_K, 2048)
+TOP_K_TEXT_BUCKETS = (TOP_K_TEXT, 2048)
 
 
 class CheckpointError(RuntimeError):

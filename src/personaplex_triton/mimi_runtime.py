@@ -52,6 +52,9 @@ class StepRunner:
         """One step of a batch; the outputs may be reused by the next run: copy what you keep."""
         raise NotImplementedError
 
+    def prepare(self, max_batch: int) -> None:
+        """Get ready for every batch size up to `max_batch` before serving (graphs, engines)."""
+
     def describe(self) -> str:
         passed = "".join(f"; not {why}" for why in self.skipped)
         return f"Mimi {self.stage} on {self.runtime} ({self.source}, {self.device}){passed}"
@@ -89,6 +92,14 @@ class TorchStepRunner(StepRunner):
             static[:n].copy_(value)
         graph.replay()
         return outputs[0][:n], [out[:n] for out in outputs[1:]]
+
+    @torch.no_grad()
+    def prepare(self, max_batch: int) -> None:
+        """Capture the graph of every bucket up to max_batch now, not inside a live tick."""
+        if self.cuda_graphs:
+            for i in range((max_batch - 1).bit_length() + 1):
+                if 1 << i not in self._graphs:
+                    self._capture(1 << i)
 
     def _capture(self, bucket: int) -> tuple:
         step = self.step

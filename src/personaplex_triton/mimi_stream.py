@@ -22,6 +22,7 @@ class MimiSlots:
         self.input = STEPS[runner.stage].input
         self.state = [torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=runner.device)
                       for spec in runner.state_specs]
+        runner.prepare(num_slots)
 
     def reset(self, slots) -> None:
         """Fresh state for these slots."""

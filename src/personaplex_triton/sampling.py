@@ -76,6 +76,13 @@ class SlotSampling:
         self.top_k[slot] = params.top_k
         self.top_k_text[slot] = params.top_k_text
 
+    def rows(self, b: int) -> "SlotSampling":
+        """The settings of the first b slots (views)."""
+        view = object.__new__(SlotSampling)
+        for name, value in vars(self).items():
+            setattr(view, name, value[:b])
+        return view
+
 
 def sample(
     logits: torch.Tensor,

@@ -8,6 +8,7 @@ here is tested without a server. A service answers through two callbacks per req
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from typing import Callable
 
@@ -89,20 +90,42 @@ def sampling_params(arrays: dict) -> SamplingParams:
     return params
 
 
+def slots_log_line(model: str, slots: int, why: str) -> str:
+    """What a stage logs at load about its pool; `slots_in_log` reads it back."""
+    return f"{model}: {slots} conversation slots ({why})"
+
+
+def slots_in_log(text: str) -> dict[str, int]:
+    """{model: slots} from a tritonserver log."""
+    return {model: int(n) for model, n in re.findall(r"(\w+): (\d+) conversation slots \(", text)}
+
+
+def pool_size(configured: int | str, device: str, cpu_default: int, on_gpu) -> tuple[int, str]:
+    """A stage's conversation slots and why: the configured number; for "auto", `cpu_default`
+    on a CPU and what `on_gpu()` returns ((slots, why)) on a GPU."""
+    if str(configured) not in ("", "auto"):
+        return int(configured), "configured"
+    if device.startswith("cuda"):
+        return on_gpu()
+    return cpu_default, "auto: the default on a CPU"
+
+
 class TalkerService:
     """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame."""
 
-    def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu",
+    def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto"):
         from .mimi_runtime import open_step
         from .persona import PersonaLibrary
-        from .talker import Talker
+        from .talker import Talker, conversations_that_fit
 
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device)
         self.mimi = open_step("encoder", files, mimi_runtime, device)
         tokenizer = loaders.get_tokenizer(files)
-        self.talker = Talker(lm, self.mimi, tokenizer, max_conversations, persona_cache_size)
+        self.slots, self.slots_why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
+                                               lambda: conversations_that_fit(lm, self.mimi))
+        self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size)
         self.personas = PersonaLibrary(files, tokenizer)
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s)
 
@@ -156,14 +179,17 @@ class TalkerService:
 class Code2WavService:
     """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out."""
 
-    def __init__(self, checkpoint: str, max_conversations: int, device: str = "cpu",
+    def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  mimi_runtime: str = "auto"):
         from .code2wav import Code2Wav
         from .mimi_runtime import open_step
 
         files = loaders.resolve_checkpoint(checkpoint)
         self.mimi = open_step("decoder", files, mimi_runtime, device)
-        self.decoder = Code2Wav(self.mimi, max_conversations)
+        self.slots, self.slots_why = pool_size(
+            max_conversations, device, loaders.CPU_DECODER_SLOTS,
+            lambda: (loaders.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
+        self.decoder = Code2Wav(self.mimi, self.slots)
         # Its conversations end when the talker says so (FINAL), or get replaced once idle.
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0)
 

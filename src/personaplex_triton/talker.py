@@ -8,6 +8,7 @@ and the agent's 8 codebooks plus text token come out, aligned for the Mimi decod
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from . import loaders
-from .generation import NUM_AUDIO, SlotGenerator, StepInputs
+from .generation import NUM_AUDIO, SlotGenerator, StepInputs, bucket_for
 from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
@@ -121,6 +122,7 @@ class Talker:
         self.num_slots = num_slots
         self.device = lm.device
         self.generator = SlotGenerator(lm, num_slots, cuda_graphs)
+        self.graphs = self.generator.capture_graphs()
         self.mimi = MimiSlots(encoder, num_slots)
         self.slots: list[_Slot | None] = [None] * num_slots
         self.persona_cache = PersonaCache(persona_cache_size)
@@ -133,8 +135,9 @@ class Talker:
     def start(self, slot: int, setup: "TalkerSetup") -> None:
         persona, params = setup.persona, setup.sampling
         params.validate()
-        if params.top_k > self.lm.card or params.top_k_text > self.lm.text_card:
-            raise ValueError(f"top-k must be <= {self.lm.card} (audio) and <= {self.lm.text_card} (text)")
+        if params.top_k > loaders.TOP_K_BUCKETS[-1] or params.top_k_text > loaders.TOP_K_TEXT_BUCKETS[-1]:
+            raise ValueError(f"top-k must be <= {loaders.TOP_K_BUCKETS[-1]} (audio) and "
+                             f"<= {loaders.TOP_K_TEXT_BUCKETS[-1]} (text)")
         self.generator.start(slot, params)
         self.mimi.reset([slot])
         cached = self.persona_cache.get(persona.key)
@@ -168,7 +171,8 @@ class Talker:
         voice_frames = {s: step.pcm for s, step in prefill.items() if step.pcm is not None}
         codes = self.mimi.encode({**live, **voice_frames})
 
-        inputs = self._step_inputs(prefill, live, codes)
+        rows = bucket_for(1 + max([*prefill, *live]), self.generator.buckets)
+        inputs = self._step_inputs(rows, prefill, live, codes)
         tokens, has_output, self.last_embeddings = self.generator.step(inputs)
 
         for s, step in prefill.items():
@@ -184,8 +188,8 @@ class Talker:
         return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].numpy().copy(), int(tokens[s, 0]))
                 for s in live if has_output[s]}
 
-    def _step_inputs(self, prefill: dict[int, PrefillStep], live: dict[int, np.ndarray], codes) -> StepInputs:
-        S = self.num_slots
+    def _step_inputs(self, S: int, prefill: dict[int, PrefillStep], live: dict[int, np.ndarray], codes) -> StepInputs:
+        """The forced tokens of the first S slots."""
         active = torch.zeros(S, dtype=torch.bool)
         user = torch.zeros(S, NUM_AUDIO, dtype=torch.long)
         agent = torch.zeros(S, NUM_AUDIO, dtype=torch.long)
@@ -212,6 +216,20 @@ class Talker:
         on_device = [None if t is None else t.to(self.device)
                      for t in (active, user, agent, agent_forced, text, text_forced, embeddings, embed_rows)]
         return StepInputs(*on_device)
+
+
+def conversations_that_fit(lm, encoder: StepRunner) -> tuple[int, str]:
+    """How many conversations fit in the GPU's free memory, and why: each holds the temporal
+    transformer's KV cache at the full context and a Mimi encoder state;
+    loaders.GPU_RESERVED_BYTES stay free for everything else."""
+    free, _ = torch.cuda.mem_get_info(lm.device)
+    layers = len(lm.transformer.layers)
+    kv = 2 * layers * lm.context * lm.dim * next(lm.parameters()).element_size()
+    mimi = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in encoder.state_specs)
+    slots = max(1, (free - loaders.GPU_RESERVED_BYTES) // (kv + mimi))
+    return int(slots), (f"auto: {free / 2**30:.1f} GiB free on the GPU, {(kv + mimi) / 2**30:.2f} GiB per "
+                        f"conversation ({lm.context}-frame KV cache + Mimi state), "
+                        f"{loaders.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back")
 
 
 def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:

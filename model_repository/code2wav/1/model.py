@@ -1,7 +1,7 @@
 """Stage 1 on Triton: decoupled, one frame of agent codes in, 1920 PCM samples out."""
 
 from personaplex_triton import loaders, seam
-from personaplex_triton.serving import Code2WavService, pick_device
+from personaplex_triton.serving import Code2WavService, pick_device, slots_log_line
 from personaplex_triton.triton_adapter import log_info, model_parameters, request_arrays, responder
 
 INPUTS = (seam.AGENT_CODES, seam.CONVERSATION_ID, seam.FRAME_INDEX, seam.FINAL, seam.TEXT_PIECE)
@@ -11,9 +11,10 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         self.service = Code2WavService(
-            loaders.checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
+            loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
             pick_device(params.get("device", "auto")), params["mimi_runtime"])
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
+        log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
 
     def execute(self, requests):
         for request in requests:

@@ -1,7 +1,7 @@
 """Stage 0 on Triton: decoupled, one response (agent codes + text) per input frame."""
 
 from personaplex_triton import contract, loaders
-from personaplex_triton.serving import TalkerService, pick_device
+from personaplex_triton.serving import TalkerService, pick_device, slots_log_line
 from personaplex_triton.triton_adapter import log_info, model_parameters, request_arrays, responder, sequence_flags
 
 INPUTS = (contract.AUDIO_IN, *contract.PERSONA_INPUTS)
@@ -11,10 +11,11 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         self.service = TalkerService(
-            loaders.checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
+            loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
             pick_device(params.get("device", "auto")), float(params["idle_timeout_s"]),
             int(params["persona_cache_size"]), params["mimi_runtime"])
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
+        log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
 
     def execute(self, requests):
         for request in requests:

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The server on a GPU host whose Python has numpy 2 and no Triton (the lent H200: Python 3.12,
+# torch 2.11, no internet). Triton 2.51's Python-backend stub (the nvidia-pytriton build, the
+# newest on PyPI) is built with pybind11 2.10, which breaks on numpy 2, so the server runs in a
+# venv of its own: the host's torch and the rest through a .pth, numpy 1.26 and scipy 1.13
+# (built for it) in front. Where the server's Python has numpy < 2, or in NVIDIA's container,
+# none of this is needed: `make serve` works as is.
+#
+#   scripts/gpu_host.sh bundle       # here (any machine with pip): wheels for Python 3.12, in
+#                                    # two parts under build/gpu-bundle/ (26 + 35 MiB)
+#   scripts/gpu_host.sh install PART # there: unpack build/gpu-bundle/PART.tar.xz (part1, part2)
+#   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
+#   scripts/gpu_host.sh serve        # there: tritonserver in the background, until ready
+#   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
+#   scripts/gpu_host.sh stop         # there: stop the server
+#
+# On the lent machine each step is one `device` call (a warm machine keeps build/ and
+# checkpoints/ between calls): install part1, then install part2 + checkpoint + serve + the
+# benchmark; the README's "Serving on the lent H200" section has the exact calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUNDLE=build/gpu-bundle
+HOST=build/gpu-host
+VENV=$HOST/venv
+CHECKPOINT=${PERSONAPLEX_CHECKPOINT:-$ROOT/checkpoints/7b}
+PYV=3.12
+
+# What the server needs beyond the host's own packages, pinned; the parts stay under 64 MiB.
+PART1=(nvidia-pytriton==0.7.0)
+PART2=(numpy==1.26.4 scipy==1.13.1 moshi==0.2.13 pyloudnorm==0.2.0 tritonclient==2.51.0
+       protobuf==4.25.9 python-rapidjson==1.25)
+
+ready() { python3 -c 'import urllib.request as u; u.urlopen("http://localhost:8000/v2/health/ready", timeout=2)' 2>/dev/null; }
+
+site_packages() { "$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])'; }
+
+unpack_wheels() {  # wheels in $1 -> site-packages layout in $2 (.data/purelib and platlib merged, bin/)
+    local src=$1 dst=$2
+    mkdir -p "$dst/bin"
+    for wheel in "$src"/*.whl; do
+        unzip -q -o "$wheel" -d "$dst"
+    done
+    for data in "$dst"/*.data; do
+        [ -d "$data" ] || continue
+        for lib in purelib platlib; do
+            [ -d "$data/$lib" ] && cp -a "$data/$lib/." "$dst/"
+        done
+        [ -d "$data/data/bin" ] && cp -a "$data/data/bin/." "$dst/bin/"
+        rm -rf "$data"
+    done
+}
+
+bundle() {
+    mkdir -p "$BUNDLE"
+    local part names dir
+    for part in part1 part2; do
+        [ -f "$BUNDLE/$part.tar.xz" ] && { echo "$BUNDLE/$part.tar.xz is there"; continue; }
+        if [ $part = part1 ]; then names=("${PART1[@]}"); else names=("${PART2[@]}"); fi
+        dir=$(mktemp -d)
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version $PYV --implementation cp \
+            --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+            -d "$dir/wheels" "${names[@]}"
+        unpack_wheels "$dir/wheels" "$dir/site"
+        if [ $part = part1 ]; then  # only the server, its libraries and the 3.12 stub
+            rm -f "$dir"/site/nvidia_pytriton.libs/libpython3*.so*
+            find "$dir/site/pytriton/tritonserver/python_backend_stubs" -mindepth 1 -maxdepth 1 ! -name $PYV \
+                -exec rm -rf {} +
+        else
+            rm -f "$dir/site/bin/perf_client"  # a second copy of perf_analyzer
+        fi
+        tar -C "$dir/site" -cf - . | xz -T0 -9 > "$BUNDLE/$part.tar.xz.tmp"
+        mv "$BUNDLE/$part.tar.xz.tmp" "$BUNDLE/$part.tar.xz"
+        rm -rf "$dir"
+        echo "$BUNDLE/$part.tar.xz: $(du -m "$BUNDLE/$part.tar.xz" | cut -f1) MiB"
+    done
+}
+
+make_venv() {
+    [ -x "$VENV/bin/python" ] && return
+    local base host_site
+    base=$(python3 -c 'import sys; print(sys.base_prefix)')/bin/python3
+    host_site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+    "$base" -m venv --without-pip "$VENV"
+    # After the venv's own packages: this checkout, then the host's packages (torch and the rest).
+    printf '%s\n' "$ROOT/src" "$ROOT/client" "$ROOT" "$host_site" > "$(site_packages)/personaplex.pth"
+}
+
+install() {
+    local part=${1:?install needs a part: part1 or part2}
+    make_venv
+    local site
+    site=$(site_packages)
+    xz -dc "$BUNDLE/$part.tar.xz" | tar -C "$site" -xf -
+    if [ -d "$site/bin" ]; then mv -f "$site"/bin/* "$VENV/bin/" && rmdir "$site/bin"; fi
+    if [ -d "$site/nvidia_pytriton.libs" ]; then
+        # perf_analyzer (tritonclient's wheel) links these two by their plain names; pytriton has both.
+        mkdir -p "$HOST/lib"
+        ln -sf "$site"/nvidia_pytriton.libs/libb64-*.so.0d "$HOST/lib/libb64.so.0d"
+        ln -sf "$site"/nvidia_pytriton.libs/libcudart-*.so.12* "$HOST/lib/libcudart.so.12"
+    fi
+    echo "installed $part into $site"
+}
+
+environment() {
+    export PATH=$ROOT/$VENV/bin:$PATH LD_LIBRARY_PATH=$ROOT/$HOST/lib:${LD_LIBRARY_PATH:-}
+    export PERSONAPLEX_CHECKPOINT=$CHECKPOINT NO_TORCH_COMPILE=1 PYTHONUNBUFFERED=1
+}
+
+checkpoint() {
+    environment
+    python export/make_tiny_checkpoint.py --size 7b --device cuda --out "$CHECKPOINT"
+}
+
+serve() {
+    environment
+    mkdir -p "$HOST"
+    if ready; then echo "already serving"; return; fi
+    local started=$SECONDS
+    setsid python -m personaplex_triton.launch > "$HOST/tritonserver.log" 2>&1 < /dev/null &
+    echo $! > "$HOST/tritonserver.pid"
+    until ready; do
+        if ! kill -0 "$(cat "$HOST/tritonserver.pid")" 2>/dev/null; then
+            tail -40 "$HOST/tritonserver.log"; echo "tritonserver exited before it was ready" >&2; exit 1
+        fi
+        if (( SECONDS - started > 900 )); then echo "not ready after 900 s" >&2; exit 1; fi
+        sleep 1
+    done
+    echo "ready in $((SECONDS - started)) s; log $HOST/tritonserver.log"
+    grep -E "conversation slots|Mimi (en|de)coder on" "$HOST/tritonserver.log" || true
+}
+
+stop() {
+    [ -f "$HOST/tritonserver.pid" ] || return 0
+    kill -TERM -- "-$(cat "$HOST/tritonserver.pid")" 2>/dev/null || true
+    rm -f "$HOST/tritonserver.pid"
+}
+
+case "${1:-}" in
+    bundle) bundle ;;
+    install) install "${2:-}" ;;
+    checkpoint) checkpoint ;;
+    serve) serve ;;
+    run) shift; environment; "$@" ;;
+    stop) stop ;;
+    *) sed -n '2,21p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,103 @@
+"""Per-frame timestamps through a stage, so a benchmark can follow a frame from send to answer.
+
+With `PERSONAPLEX_TRACE_DIR` set, each stage process appends one JSON line per answered frame
+to `<dir>/<stage>-<pid>.jsonl`: the conversation, the frame's index in it, when the frame was
+queued (its request reached the model), the tick that took it (start, end, rows stepped), and
+when its answer had been handed to Triton. Times are wall-clock seconds (`time.time()`), so the
+lines of both stages and the client's own send and receive times share one clock.
+Unset, nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+TRACE_DIR_ENV = "PERSONAPLEX_TRACE_DIR"
+
+
+class FrameTrace:
+    def __init__(self, stage: str, directory: str | os.PathLike | None = None):
+        directory = directory or os.environ.get(TRACE_DIR_ENV)
+        self._file = None
+        self._lock = threading.Lock()
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(directory) / f"{stage}-{os.getpid()}.jsonl", "a", buffering=1 << 16)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def frame(self, conversation: int, index: int, queued: float, tick_start: float, tick_end: float,
+              rows: int, sent: float) -> None:
+        record = {"conversation": conversation, "index": index, "queued": queued, "tick_start": tick_start,
+                  "tick_end": tick_end, "rows": rows, "sent": sent}
+        with self._lock:
+            self._file.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            with self._lock:
+                self._file.flush()
+
+
+def read(directory: str | os.PathLike, stage: str) -> list[dict]:
+    """Every frame record of `stage` under `directory` (all its processes)."""
+    records = []
+    for path in sorted(Path(directory).glob(f"{stage}-*.jsonl")):
+        with open(path) as lines:
+            records += [json.loads(line) for line in lines if line.strip()]
+    return records
+
+
+SEGMENTS = (  # (name, from, to): consecutive moments of a frame's trip, client to client
+    ("client to talker", "client_sent", "talker_queued"),
+    ("wait for a talker tick", "talker_queued", "talker_tick_start"),
+    ("talker tick", "talker_tick_start", "talker_tick_end"),
+    ("talker send", "talker_tick_end", "talker_sent"),
+    ("talker to code2wav", "talker_sent", "code2wav_queued"),
+    ("wait for a code2wav tick", "code2wav_queued", "code2wav_tick_start"),
+    ("code2wav tick", "code2wav_tick_start", "code2wav_tick_end"),
+    ("code2wav send", "code2wav_tick_end", "code2wav_sent"),
+    ("code2wav to client", "code2wav_sent", "client_received"),
+)
+
+
+def breakdown(directory: str | os.PathLike, results: list) -> dict:
+    """Where the frames of `results` (the client's ConversationResults) spent their time:
+    per segment of the trip, the median and p99 in ms; and each stage's tick (median, p99 ms,
+    and median rows stepped) over the ticks that took these frames."""
+    import numpy as np
+
+    stages = {stage: {(r["conversation"], r["index"]): r for r in read(directory, stage)}
+              for stage in ("talker", "code2wav")}
+    trips, ticks = [], {"talker": {}, "code2wav": {}}
+    for result in results:
+        for i, offset in enumerate(result.send_offsets_s[:len(result.latencies_ms)]):
+            sent = result.started_at + offset
+            moments = {"client_sent": sent, "client_received": sent + result.latencies_ms[i] / 1000}
+            for stage, records in stages.items():
+                record = records.get((result.sequence_id, i))
+                if record is None:
+                    break
+                ticks[stage][record["tick_start"]] = (record["tick_end"] - record["tick_start"], record["rows"])
+                moments.update({f"{stage}_queued": record["queued"], f"{stage}_tick_start": record["tick_start"],
+                                f"{stage}_tick_end": record["tick_end"], f"{stage}_sent": record["sent"]})
+            else:
+                trips.append(moments)
+    segments = {}
+    for name, start, end in SEGMENTS:
+        ms = np.array([1000 * (t[end] - t[start]) for t in trips])
+        segments[name] = {"p50": round(float(np.median(ms)), 2), "p99": round(float(np.percentile(ms, 99)), 2)} \
+            if len(ms) else None
+    tick_figures = {}
+    for stage, found in ticks.items():
+        if found:
+            seconds, rows = np.array(list(found.values())).T
+            tick_figures[stage] = {"ticks": len(found), "p50_ms": round(1000 * float(np.median(seconds)), 2),
+                                   "p99_ms": round(1000 * float(np.percentile(seconds, 99)), 2),
+                                   "rows_p50": float(np.median(rows))}
+    return {"frames_traced": len(trips), "segments_ms": segments, "ticks": tick_figures}

@@ -182,18 +182,14 @@ def test_cached_persona_starts_at_once_with_the_same_output(talker, wav_voice, u
     talker.persona_cache = PersonaCache(2)
     try:
         first = converse(talker, 1, setup(wav_voice, talker.tokenizer, prompt, seed=21), user_frames)
-        assert len(talker.persona_cache) == 1
-        talker.start(2, setup(wav_voice, talker.tokenizer, prompt, seed=22))
-        assert not talker.prefilling(2)  # no prefill: the cached state is in place
-        talker.stop(2)
+        assert len(talker.persona_cache) == 1 and talker.persona_cache.hits == 0
         cached = converse(talker, 2, setup(wav_voice, talker.tokenizer, prompt, seed=22), user_frames)
+        assert talker.persona_cache.hits == 1  # no prefill: the cached state was put in place
         assert first == fresh
         assert cached == fresh_other_seed
         for prompt_ in ("Be brief.", "Talk about cooking."):  # capacity 2: the oldest goes
             converse(talker, 0, setup(wav_voice, talker.tokenizer, prompt_, seed=1), user_frames[:1])
         assert len(talker.persona_cache) == 2
-        talker.start(0, setup(wav_voice, talker.tokenizer, prompt, seed=21))
-        assert talker.prefilling(0)
-        talker.stop(0)
+        assert setup(wav_voice, talker.tokenizer, prompt).persona.key not in talker.persona_cache
     finally:
         talker.persona_cache = PersonaCache(0)

@@ -32,6 +32,7 @@ from . import loaders
 from .sampling import SamplingParams, SlotSampling, sample
 
 NUM_AUDIO = 8  # codebooks per audio stream
+PREFILL_CHUNK = 256  # prefill positions per transformer pass
 
 
 def batch_buckets(num_slots: int) -> tuple[int, ...]:
@@ -70,18 +71,18 @@ def _batch_tensors(state, batch_size: int):
             yield name, value
 
 
-def _rows_view(state, num_slots: int, rows: int):
-    """A moshi streaming state whose tensors are views of the first `rows` rows of `state`'s,
-    so a module stepped on it reads and writes the pool's own memory."""
+def _rows_view(state, num_slots: int, rows: slice):
+    """A moshi streaming state whose tensors are views of some rows of `state`'s, so a module
+    stepped on it reads and writes the pool's own memory."""
     view = copy.copy(state)
-    view.batch_size = rows
+    view.batch_size = rows.stop - rows.start
     for name, value in _batch_tensors(state, num_slots):
-        setattr(view, name, value[:rows])
+        setattr(view, name, value[rows])
     kv = getattr(state, "kv_cache", None)
     if kv is not None:  # moshi's RingKVCache: cache [2, B, heads, capacity, dim], end_offset [B]
         kv_view = copy.copy(kv)
-        kv_view.cache = kv.cache[:, :rows]
-        kv_view.end_offset = kv.end_offset[:rows]
+        kv_view.cache = kv.cache[:, rows]
+        kv_view.end_offset = kv.end_offset[rows]
         view.kv_cache = kv_view
     return view
 
@@ -112,7 +113,7 @@ class SlotGenerator:
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
         modules = [m for m in lm.transformer.modules() if getattr(m, "_streaming_state", None) is not None]
-        self._row_views = {b: [(m, _rows_view(m._streaming_state, num_slots, b)) for m in modules]
+        self._row_views = {b: [(m, _rows_view(m._streaming_state, num_slots, slice(0, b))) for m in modules]
                            for b in self.buckets}
         self._full_states = [(m, m._streaming_state) for m in modules]
 
@@ -209,16 +210,57 @@ class SlotGenerator:
         Returns (tokens [b, 17] of position o - 1, has_output [b], input embeddings [b, 1, dim]);
         rows without output (inactive, or still inside the delays) hold garbage.
         """
-        lm, K, CT = self.lm, self.num_codebooks, self.ring
-        active = inputs.active
-        b = active.shape[0]
+        b = inputs.active.shape[0]
         if b not in self._row_views:
             raise ValueError(f"a step runs on a batch bucket {self.buckets}, not on {b} rows")
-        cache, provided = self.cache[:b], self.provided[:b]
-        rows = torch.arange(b, device=self.device)
-        o = self.offset[:b].clone()
+        rows = slice(0, b)
+        o = self.offset[rows].clone()
+        emb, target, target_provided = self._read_position(rows, o, inputs)
+        exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        exec_mask[rows] = inputs.active
+        self.lm.set_exec_mask(exec_mask)
+        with self._rows(self._row_views[b]):
+            sampled = self._graphed_model_step(b)(emb, target, target_provided, o)
+        tokens, has_output = self._write_position(rows, o, inputs.active, sampled, target_provided)
+        return tokens, has_output, emb
 
-        # 1. forced tokens land at o + delay.
+    @torch.no_grad()
+    def prefill(self, slot: int, steps: list) -> torch.Tensor:
+        """Play a persona's prefill into a freshly started `slot` at once: every token of a
+        prefill step is forced, so its samples are never used and the depformer need not run;
+        the temporal transformer takes all the steps' input embeddings in chunked passes, as
+        an LLM takes a prompt. `steps`: (StepInputs of one row, every stream forced; a ring
+        buffer to restore after the step, or None). Returns the input embeddings [M, 1, dim]."""
+        rows = slice(slot, slot + 1)
+        embeddings = []
+        for inputs, restore_cache in steps:
+            o = self.offset[rows].clone()
+            emb, target, target_provided = self._read_position(rows, o, inputs)
+            if not bool(target_provided.all()):
+                raise ValueError("a prefill step must force every stream")
+            self._write_position(rows, o, inputs.active, target, target_provided)
+            if restore_cache is not None:
+                self.restore_cache(slot, restore_cache)
+            embeddings.append(emb)
+        if not embeddings:
+            return torch.zeros(0, 1, self.lm.dim, device=self.device)
+        sequence = torch.cat(embeddings, dim=1)  # [1, M, dim]
+        exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        exec_mask[slot] = True
+        self.lm.set_exec_mask(exec_mask)
+        views = [(m, _rows_view(state, self.num_slots, rows)) for m, state in self._full_states]
+        with self._rows(views):
+            for chunk in sequence.split(PREFILL_CHUNK, dim=1):
+                self.lm.transformer(chunk)
+        return sequence.transpose(0, 1)
+
+    def _read_position(self, rows: slice, o: torch.Tensor, inputs: StepInputs):
+        """Write the forced tokens of a step at o + delay (the delayed streams start from the
+        initial token) and read position o - 1 for the transformer and position o, which it
+        predicts: (input embeddings [b, 1, dim], target [b, K], target provided [b, K])."""
+        K, CT = self.num_codebooks, self.ring
+        cache, provided, active = self.cache[rows], self.provided[rows], inputs.active
+        b = active.shape[0]
         forced = torch.zeros((b, K), dtype=torch.long, device=self.device)
         forced[:, 0] = inputs.text_token
         forced[:, 1:1 + NUM_AUDIO] = inputs.agent_codes
@@ -230,36 +272,32 @@ class SlotGenerator:
         is_forced &= active[:, None]
         write = (o[:, None] + self.delays[None, :]) % CT  # [b, K]
         _scatter(cache, provided, write, forced, is_forced)
-        # 2. the delayed streams start from the initial token.
         at_start = (o[:, None] <= self.delays[None, :]) & active[:, None]
         _scatter(cache, provided, (o % CT)[:, None].expand(b, K), self.initial[None, :].expand(b, K), at_start)
 
-        # 3. the transformer reads position o - 1 and predicts position o.
         src = ((o - 1) % CT)[:, None, None].expand(b, K, 1)
         dst = (o % CT)[:, None, None].expand(b, K, 1)
-        model_input = cache.gather(2, src)[:, :, 0]
-        target = cache.gather(2, dst)[:, :, 0]
-        target_provided = provided.gather(2, dst)[:, :, 0]
-
-        emb = self.embed(model_input)
+        emb = self.embed(cache.gather(2, src)[:, :, 0])
         if inputs.embeddings is not None:
             emb = torch.where(inputs.embed_rows[:, None, None], inputs.embeddings.to(emb), emb)
-        exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        exec_mask[:b] = active
-        lm.set_exec_mask(exec_mask)
-        with self._rows(b):
-            sampled = self._graphed_model_step(b)(emb, target, target_provided, o)
+        return emb, cache.gather(2, dst)[:, :, 0], provided.gather(2, dst)[:, :, 0]
 
-        # 4. samples fill position o where nothing was forced; o - 1 is done.
-        _scatter(cache, provided, dst[:, :, 0], sampled, ~(target_provided | ~active[:, None]))
+    def _write_position(self, rows: slice, o, active, sampled, target_provided):
+        """Samples fill position o where nothing was forced; o - 1 is done; active rows move on.
+        Returns (tokens [b, 17] of position o - 1, has_output [b])."""
+        K, CT = self.num_codebooks, self.ring
+        cache, provided = self.cache[rows], self.provided[rows]
+        b = active.shape[0]
+        dst = (o % CT)[:, None].expand(b, K)
+        _scatter(cache, provided, dst, sampled, ~(target_provided | ~active[:, None]))
         clear = ((o - 1) % CT)[:, None].expand(b, K)
-        provided[rows[:, None], torch.arange(K, device=self.device)[None, :], clear] &= ~active[:, None]
-
+        index = torch.arange(b, device=self.device)[:, None], torch.arange(K, device=self.device)[None, :], clear
+        provided[index] &= ~active[:, None]
         has_output = active & (o > self.max_delay)
         out_pos = (o[:, None] - self.max_delay + self.delays[None, :]) % CT
         tokens = cache.gather(2, out_pos[:, :, None])[:, :, 0]
-        self.offset[:b] = torch.where(active, o + 1, o)
-        return tokens, has_output, emb
+        self.offset[rows] = torch.where(active, o + 1, o)
+        return tokens, has_output
 
     def _idle_inputs(self, b: int) -> StepInputs:
         """A step of b rows with none active: it changes no slot's state."""
@@ -270,9 +308,9 @@ class SlotGenerator:
                           text_token=zeros(b), text_forced=zeros(b, dtype=torch.bool))
 
     @contextmanager
-    def _rows(self, b: int):
-        """The transformer's modules see only the first b rows of their streaming state."""
-        for module, view in self._row_views[b]:
+    def _rows(self, views):
+        """The transformer's modules see only some rows of their streaming state."""
+        for module, view in views:
             module._streaming_state = view
         try:
             yield

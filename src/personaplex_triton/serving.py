@@ -114,7 +114,8 @@ class TalkerService:
     """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
-                 idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto"):
+                 idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
+                 warm_personas: str = ""):
         from .mimi_runtime import open_step
         from .persona import PersonaLibrary
         from .talker import Talker, conversations_that_fit
@@ -127,7 +128,22 @@ class TalkerService:
                                                lambda: conversations_that_fit(lm, self.mimi))
         self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size)
         self.personas = PersonaLibrary(files, tokenizer)
+        self.warm(warm_personas)
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s)
+
+    def warm(self, voices: str) -> list[str]:
+        """Prefill personas into the persona cache before serving, so their first conversation
+        starts at once: `voices` is "all" (every voice of the checkpoint) or comma-separated
+        names, each with an empty role prompt. Returns the voices warmed."""
+        from .talker import TalkerSetup
+
+        names = self.personas.files.voice_names() if voices.strip() == "all" else \
+            [name.strip() for name in voices.split(",") if name.strip()]
+        for name in names[:self.talker.persona_cache.capacity]:
+            self.talker.start(0, TalkerSetup(self.personas.persona(name, ""), SamplingParams()))
+            self.talker.stop(0)
+        self.warmed = names[:self.talker.persona_cache.capacity]
+        return self.warmed
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish) -> None:
         try:

@@ -1,9 +1,11 @@
 """Stage 0: PersonaPlex over a pool of conversation slots, one batched step per tick.
 
-A slot first plays its persona's prefill (one step per tick, whether or not its user has
-sent audio), then answers each user frame with one agent frame: the user's 1920 samples are
-Mimi-encoded (batched over slots), the temporal transformer and depformer step once (batched),
-and the agent's 8 codebooks plus text token come out, aligned for the Mimi decoder.
+A slot starts with its persona's prefill, played at once (every prefill token is forced, so
+the temporal transformer takes them all in a few passes and the depformer never runs), or
+copied from the persona cache; then it answers each user frame with one agent frame: the
+user's 1920 samples are Mimi-encoded (batched over slots), the temporal transformer and
+depformer step once (batched), and the agent's 8 codebooks plus text token come out, aligned
+for the Mimi decoder.
 """
 
 from __future__ import annotations
@@ -37,10 +39,9 @@ class PrefillStep:
     restore_cache: torch.Tensor | None = None  # applied after the step
 
 
-def prefill_program(persona: Persona, initial_audio_token: int) -> Iterator[PrefillStep]:
-    """PersonaPlex's prefill, in order (the first voice frame only primes Mimi)."""
+def voice_program(voice: VoicePrompt, initial_audio_token: int) -> Iterator[PrefillStep]:
+    """The voice prompt's part of the prefill (the first WAV frame only primes Mimi)."""
     pad = loaders.TEXT_PROMPT_PAD
-    voice = persona.voice
     if voice.frames is not None:
         for i, frame in enumerate(voice.frames):
             yield PrefillStep(text=pad, agent=None, pcm=frame, runs_model=i > 0)
@@ -50,6 +51,12 @@ def prefill_program(persona: Persona, initial_audio_token: int) -> Iterator[Pref
         for i, embedding in enumerate(voice.embeddings):
             yield PrefillStep(text=pad, user=initial, agent=initial, embedding=embedding.view(1, -1),
                               restore_cache=voice.cache if i == last else None)
+
+
+def prefill_program(persona: Persona, initial_audio_token: int) -> Iterator[PrefillStep]:
+    """PersonaPlex's prefill, in order: voice prompt, silence, role prompt, silence."""
+    pad = loaders.TEXT_PROMPT_PAD
+    yield from voice_program(persona.voice, initial_audio_token)
     for _ in range(loaders.PREFILL_SILENCE_FRAMES):
         yield PrefillStep(text=pad)
     for token in persona.text_tokens:
@@ -80,12 +87,14 @@ class PersonaCache:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self.hits = 0
         self._snapshots: OrderedDict[tuple, dict] = OrderedDict()
 
     def get(self, key: tuple) -> dict | None:
         snap = self._snapshots.get(key)
         if snap is not None:
             self._snapshots.move_to_end(key)
+            self.hits += 1
         return snap
 
     def put(self, key: tuple, snap: dict) -> None:
@@ -103,17 +112,6 @@ class PersonaCache:
         return len(self._snapshots)
 
 
-class _Slot:
-    def __init__(self, program: Iterator[PrefillStep] | None, persona_key: tuple):
-        self.program = program
-        self.persona_key = persona_key
-        self.next: PrefillStep | None = None if program is None else next(program, None)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.next is not None
-
-
 class Talker:
     def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
                  cuda_graphs: bool = True):
@@ -124,9 +122,7 @@ class Talker:
         self.generator = SlotGenerator(lm, num_slots, cuda_graphs)
         self.graphs = self.generator.capture_graphs()
         self.mimi = MimiSlots(encoder, num_slots)
-        self.slots: list[_Slot | None] = [None] * num_slots
         self.persona_cache = PersonaCache(persona_cache_size)
-        self.last_embeddings: torch.Tensor | None = None  # [S, 1, dim] of the last tick
         self._vocab = tokenizer.get_piece_size()
 
     def close(self) -> None:
@@ -139,20 +135,40 @@ class Talker:
             raise ValueError(f"top-k must be <= {loaders.TOP_K_BUCKETS[-1]} (audio) and "
                              f"<= {loaders.TOP_K_TEXT_BUCKETS[-1]} (text)")
         self.generator.start(slot, params)
-        self.mimi.reset([slot])
         cached = self.persona_cache.get(persona.key)
         if cached is not None:
             self.generator.restore(slot, cached)
-            self.slots[slot] = _Slot(None, persona.key)
         else:
-            self.slots[slot] = _Slot(prefill_program(persona, self.lm.initial_token_id), persona.key)
+            self.mimi.reset([slot])  # a WAV voice prompt is coded from a fresh stream
+            self.play(slot, prefill_program(persona, self.lm.initial_token_id))
+            self.persona_cache.put(persona.key, self.generator.snapshot(slot))
+        self.mimi.reset([slot])  # Mimi starts afresh on the user's audio
 
     def stop(self, slot: int) -> None:
-        self.slots[slot] = None
+        pass  # the next start resets the slot
 
     def prefilling(self, slot: int) -> bool:
-        state = self.slots[slot]
-        return state is not None and state.prefilling
+        return False  # start() plays the whole prefill
+
+    def play(self, slot: int, program: Iterator[PrefillStep]) -> torch.Tensor:
+        """Play prefill steps into a started slot at once (SlotGenerator.prefill); returns the
+        input embeddings of the steps that ran the model [M, 1, dim]."""
+        steps = []
+        for step in program:
+            agent = step.agent
+            if step.pcm is not None:  # a WAV voice's frame: Mimi codes it in the slot's own stream
+                agent = self.mimi.encode({slot: step.pcm})[slot]
+            if not step.runs_model:
+                continue
+            inputs = StepInputs(
+                active=torch.ones(1, dtype=torch.bool), user_codes=torch.tensor([step.user]),
+                agent_codes=torch.as_tensor(agent).view(1, NUM_AUDIO), agent_forced=torch.ones(1, dtype=torch.bool),
+                text_token=torch.tensor([step.text]), text_forced=torch.ones(1, dtype=torch.bool),
+                embeddings=None if step.embedding is None else step.embedding.view(1, 1, -1),
+                embed_rows=None if step.embedding is None else torch.ones(1, dtype=torch.bool))
+            steps.append((StepInputs(*(None if t is None else t.to(self.device) for t in vars(inputs).values())),
+                          step.restore_cache))
+        return self.generator.prefill(slot, steps)
 
     def text_piece(self, token: int) -> str:
         """The text of a sampled token; padding and other special ids give ''."""
@@ -162,60 +178,25 @@ class Talker:
 
     @torch.no_grad()
     def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, AgentStep]:
-        """One batched step: prefilling slots play their next prefill step, live slots in
-        `user_frames` their 1920-sample frame. Returns the agent step of each live slot answered."""
-        prefill = {s: st.next for s, st in enumerate(self.slots) if st is not None and st.prefilling}
-        live = {s: f for s, f in user_frames.items() if s not in prefill}
-        if not prefill and not live:
+        """One batched step: each slot in `user_frames` plays its 1920-sample frame. Returns the
+        agent step of each slot answered (none while inside the model's delays)."""
+        if not user_frames:
             return {}
-        voice_frames = {s: step.pcm for s, step in prefill.items() if step.pcm is not None}
-        codes = self.mimi.encode({**live, **voice_frames})
-
-        rows = bucket_for(1 + max([*prefill, *live]), self.generator.buckets)
-        inputs = self._step_inputs(rows, prefill, live, codes)
-        tokens, has_output, self.last_embeddings = self.generator.step(inputs)
-
-        for s, step in prefill.items():
-            if step.restore_cache is not None:
-                self.generator.restore_cache(s, step.restore_cache)
-            state = self.slots[s]
-            state.next = next(state.program, None)
-            if state.next is None:  # prefill done: Mimi starts afresh on the user's audio
-                self.mimi.reset([s])
-                if state.persona_key not in self.persona_cache:
-                    self.persona_cache.put(state.persona_key, self.generator.snapshot(s))
-        tokens, has_output = tokens.cpu(), has_output.cpu()
-        return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].numpy().copy(), int(tokens[s, 0]))
-                for s in live if has_output[s]}
-
-    def _step_inputs(self, S: int, prefill: dict[int, PrefillStep], live: dict[int, np.ndarray], codes) -> StepInputs:
-        """The forced tokens of the first S slots."""
-        active = torch.zeros(S, dtype=torch.bool)
-        user = torch.zeros(S, NUM_AUDIO, dtype=torch.long)
-        agent = torch.zeros(S, NUM_AUDIO, dtype=torch.long)
-        agent_forced = torch.zeros(S, dtype=torch.bool)
-        text = torch.zeros(S, dtype=torch.long)
-        text_forced = torch.zeros(S, dtype=torch.bool)
-        embeddings, embed_rows = None, None
-        for s in live:
+        codes = self.mimi.encode(user_frames)
+        rows = bucket_for(1 + max(user_frames), self.generator.buckets)
+        active = torch.zeros(rows, dtype=torch.bool)
+        user = torch.zeros(rows, NUM_AUDIO, dtype=torch.long)
+        for s in user_frames:
             active[s] = True
             user[s] = codes[s]
-        for s, step in prefill.items():
-            active[s] = step.runs_model
-            user[s] = torch.tensor(step.user)
-            agent[s] = codes[s] if step.agent is None else torch.tensor(step.agent)
-            agent_forced[s] = True
-            text[s] = step.text
-            text_forced[s] = True
-            if step.embedding is not None:
-                if embeddings is None:
-                    embeddings = torch.zeros(S, 1, self.lm.dim)
-                    embed_rows = torch.zeros(S, dtype=torch.bool)
-                embeddings[s] = step.embedding
-                embed_rows[s] = True
-        on_device = [None if t is None else t.to(self.device)
-                     for t in (active, user, agent, agent_forced, text, text_forced, embeddings, embed_rows)]
-        return StepInputs(*on_device)
+        unforced = torch.zeros(rows, dtype=torch.bool)
+        idle = torch.zeros(rows, dtype=torch.long)
+        inputs = StepInputs(*(t.to(self.device) for t in (active, user, idle[:, None].expand(rows, NUM_AUDIO),
+                                                          unforced, idle, unforced)))
+        tokens, has_output, _ = self.generator.step(inputs)
+        tokens, has_output = tokens.cpu(), has_output.cpu()
+        return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].numpy().copy(), int(tokens[s, 0]))
+                for s in user_frames if has_output[s]}
 
 
 def conversations_that_fit(lm, encoder: StepRunner) -> tuple[int, str]:
@@ -237,15 +218,9 @@ def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:
     bundle for it: the summed input embeddings of steps 1..N-1 and the ring buffer after."""
     if voice.frames is None:
         raise ValueError("a voice bundle is made from a WAV voice prompt")
-    persona = Persona(voice, ())
-    if persona.key in talker.persona_cache:
-        raise ValueError("this voice's prefill is cached: make bundles on a talker without a persona cache")
-    talker.start(0, TalkerSetup(persona, SamplingParams(greedy=True)))
-    embeddings = []
-    for i in range(len(voice.frames)):
-        talker.tick({})
-        if i > 0:
-            embeddings.append(talker.last_embeddings[0:1].detach().cpu().clone())
+    talker.generator.start(0, SamplingParams(greedy=True))
+    talker.mimi.reset([0])
+    embeddings = talker.play(0, voice_program(voice, talker.lm.initial_token_id))
     cache = talker.generator.cache[0:1].detach().cpu().clone()
     talker.stop(0)
-    return {"embeddings": torch.stack(embeddings, dim=0), "cache": cache}
+    return {"embeddings": embeddings[:, None].detach().cpu().clone(), "cache": cache}

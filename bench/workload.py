@@ -24,11 +24,10 @@ _DTYPES = {"voice": np.object_, "text_prompt": np.object_, "seed": np.int64, "gr
 
 
 def frames(count: int) -> np.ndarray:
-    """The first `count` 1920-sample frames of samples/user.wav, float32 [count, 1920]."""
+    """The first `count` 1920-sample frames of samples/user.wav, float32 [count, 1920]; past
+    its 99 frames (8 s) the speech starts over."""
     cut = audio.split_frames(audio.read_wav(USER_WAV))
-    if count > len(cut):
-        raise ValueError(f"{USER_WAV.name} holds {len(cut)} frames, {count} asked for")
-    return cut[:count]
+    return np.concatenate([cut] * -(-count // len(cut)))[:count]
 
 
 def persona_for(conversation: int) -> Persona:

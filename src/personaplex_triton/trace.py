@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 TRACE_DIR_ENV = "PERSONAPLEX_TRACE_DIR"
@@ -66,14 +67,22 @@ SEGMENTS = (  # (name, from, to): consecutive moments of a frame's trip, client 
 )
 
 
-def breakdown(directory: str | os.PathLike, results: list) -> dict:
+def breakdown(directory: str | os.PathLike, results: list, wait_s: float = 3.0) -> dict:
     """Where the frames of `results` (the client's ConversationResults) spent their time:
     per segment of the trip, the median and p99 in ms; and each stage's tick (median, p99 ms,
-    and median rows stepped) over the ticks that took these frames."""
+    and median rows stepped) over the ticks that took these frames. A stage writes a frame's
+    line just after its answer leaves, so the last lines may lag the client: read again for up
+    to `wait_s` until every frame is there."""
     import numpy as np
 
-    stages = {stage: {(r["conversation"], r["index"]): r for r in read(directory, stage)}
-              for stage in ("talker", "code2wav")}
+    wanted = {(r.sequence_id, i) for r in results for i in range(len(r.latencies_ms))}
+    deadline = time.monotonic() + wait_s
+    while True:
+        stages = {stage: {(r["conversation"], r["index"]): r for r in read(directory, stage)}
+                  for stage in ("talker", "code2wav")}
+        if all(wanted <= found.keys() for found in stages.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     trips, ticks = [], {"talker": {}, "code2wav": {}}
     for result in results:
         for i, offset in enumerate(result.send_offsets_s[:len(result.latencies_ms)]):

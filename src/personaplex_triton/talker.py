@@ -223,4 +223,6 @@ def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:
     embeddings = talker.play(0, voice_program(voice, talker.lm.initial_token_id))
     cache = talker.generator.cache[0:1].detach().cpu().clone()
     talker.stop(0)
-    return {"embeddings": embeddings[:, None].detach().cpu().clone(), "cache": cache}
+    # fresh strides: the saved bytes do not depend on how the embeddings were computed
+    return {"embeddings": embeddings[:, None].detach().cpu().clone(memory_format=torch.contiguous_format),
+            "cache": cache}

@@ -2,10 +2,15 @@
 
 `PERSONAPLEX_GPU_URL` names a server already running on this machine (the 7B one that
 `scripts/gpu_host.sh serve` starts on the lent H200); without it a server is started on the
-default checkpoint. Skipped without a CUDA GPU: CI has none, so these run on the device.
+default checkpoint. The exactness test starts its own server on the generated checkpoint with
+the LM in float32: in bf16 a step of 1 row and one of 64 run different kernels, so near-tied
+greedy choices of random weights can flip (the bf16 agreement is measured in the benchmarks).
+Skipped without a CUDA GPU: CI has none, so these run on the device.
 """
 
 import os
+import re
+import shutil
 import threading
 
 import numpy as np
@@ -14,12 +19,13 @@ import torch
 
 from personaplex_stream import Persona, stream_conversation
 from personaplex_triton import audio, contract
-from personaplex_triton.launch import REPO_ROOT, TritonServer
+from personaplex_triton.launch import MODEL_REPOSITORY, REPO_ROOT, TritonServer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 
 FRAMES = 50  # 4 s
 OTHERS = 63
+PROBE = Persona(voice="NATF0", text_prompt="You are a helpful assistant.", seed=7, greedy=True)
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +38,47 @@ def gpu_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fp32_url(tiny_checkpoint, tmp_path_factory):
+    """A server of its own on the generated checkpoint, the LM in float32, 64 talker slots."""
+    folder = tmp_path_factory.mktemp("fp32")
+    repository = folder / "model_repository"
+    shutil.copytree(MODEL_REPOSITORY, repository)
+    config = repository / "talker" / "config.pbtxt"
+    text = config.read_text()
+    for key, value in (("dtype", "float32"), ("max_conversations", "64")):
+        text = re.sub(r'(key: "%s" value: \{ string_value: ")[^"]*' % key, r"\g<1>" + value, text)
+    config.write_text(text)
+    env = {"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint), "NVIDIA_TF32_OVERRIDE": "0"}
+    with TritonServer(repository, env=env, log_path=folder / "tritonserver.log") as server:
+        yield server.grpc_url
+
+
+@pytest.fixture(scope="module")
 def speech():
     return audio.read_wav(REPO_ROOT / "samples" / "user.wav")[: FRAMES * contract.FRAME_SAMPLES]
 
 
-PROBE = Persona(voice="NATF0", text_prompt="You are a helpful assistant.", seed=7, greedy=True)
+def alone_and_beside_others(url, speech):
+    """The probe conversation alone, then again while 63 other paced conversations talk."""
+    alone = stream_conversation(speech, url=url, persona=PROBE, realtime=True)
+    others, errors = [], []
+
+    def other(i):
+        try:
+            others.append(stream_conversation(
+                speech, url=url, realtime=True, check_ready=False,
+                persona=Persona(voice="NATM0" if i % 2 else "NATF0", seed=1000 + i)))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=other, args=(i,)) for i in range(OTHERS)]
+    for t in threads:
+        t.start()
+    beside = stream_conversation(speech, url=url, persona=PROBE, realtime=True, check_ready=False)
+    for t in threads:
+        t.join()
+    assert not errors and len(others) == OTHERS
+    return alone, beside
 
 
 def test_one_output_frame_per_input_frame(gpu_url, speech):
@@ -46,27 +88,21 @@ def test_one_output_frame_per_input_frame(gpu_url, speech):
     assert np.isfinite(result.audio).all() and result.audio.std() > 0
 
 
-def test_greedy_tokens_alone_and_beside_63_others(gpu_url, speech):
-    alone = stream_conversation(speech, url=gpu_url, persona=PROBE, realtime=True)
-    others, errors = [], []
-
-    def other(i):
-        try:
-            others.append(stream_conversation(
-                speech, url=gpu_url, realtime=True, check_ready=False,
-                persona=Persona(voice="NATM0" if i % 2 else "NATF0", text_prompt="You are a helpful assistant.",
-                                seed=1000 + i)))
-        except Exception as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=other, args=(i,)) for i in range(OTHERS)]
-    for t in threads:
-        t.start()
-    beside = stream_conversation(speech, url=gpu_url, persona=PROBE, realtime=True, check_ready=False)
-    for t in threads:
-        t.join()
-    assert not errors and len(others) == OTHERS
+def test_greedy_tokens_alone_and_beside_63_others_in_fp32(fp32_url, speech):
+    alone, beside = alone_and_beside_others(fp32_url, speech)
     assert beside.text_pieces == alone.text_pieces
     # The codes are equal when the decoded audio is: one other code changes a frame entirely.
     # Within the tolerance: the decoder's batch (1 row alone, 64 beside) changes its kernels.
-    np.testing.assert_allclose(beside.audio, alone.audio, atol=2e-3)
+    np.testing.assert_allclose(beside.audio, alone.audio, atol=1e-3)
+
+
+def test_greedy_agreement_alone_and_beside_63_others(gpu_url, speech, record_property):
+    """On the served checkpoint as it is (bf16 on the 7B): how far the probe's frames agree."""
+    alone, beside = alone_and_beside_others(gpu_url, speech)
+    frames = np.abs(beside.audio - alone.audio).reshape(FRAMES, -1).max(axis=1) < 1e-2
+    first_divergence = int(np.argmin(frames)) if not frames.all() else FRAMES
+    record_property("frames_equal", int(frames.sum()))
+    record_property("first_divergence", first_divergence)
+    print(f"greedy alone vs beside {OTHERS}: {frames.sum()} of {FRAMES} frames equal, first divergence "
+          f"at frame {first_divergence}")
+    assert beside.frames_received == alone.frames_received == FRAMES

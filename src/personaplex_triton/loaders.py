@@ -82,7 +82,8 @@ TINY_LM_SIZE = {
 }
 
 # Conversation slots per stage when max_conversations is "auto". On a GPU the talker takes what
-# fits in free memory beside GPU_RESERVED_BYTES (graphs, persona cache, the decoder's process);
+# fits in free memory beside GPU_RESERVED_BYTES (graphs, persona cache, the decoder's process),
+# at most the decoder's slots;
 # the decoder keeps more slots than the talker can fill, since a conversation that ends
 # without FINAL holds its decoder slot until replaced (its state is 8 MB).
 CPU_TALKER_SLOTS = 4

@@ -115,13 +115,15 @@ class TalkerService:
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
-                 warm_personas: str = ""):
+                 warm_personas: str = "", dtype: str = "auto"):
+        import torch
+
         from .mimi_runtime import open_step
         from .persona import PersonaLibrary
         from .talker import Talker, conversations_that_fit
 
         files = loaders.resolve_checkpoint(checkpoint)
-        lm = loaders.get_lm(files, device)
+        lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
         self.mimi = open_step("encoder", files, mimi_runtime, device)
         tokenizer = loaders.get_tokenizer(files)
         self.slots, self.slots_why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,

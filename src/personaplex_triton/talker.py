@@ -207,10 +207,11 @@ def conversations_that_fit(lm, encoder: StepRunner) -> tuple[int, str]:
     layers = len(lm.transformer.layers)
     kv = 2 * layers * lm.context * lm.dim * next(lm.parameters()).element_size()
     mimi = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in encoder.state_specs)
-    slots = max(1, (free - loaders.GPU_RESERVED_BYTES) // (kv + mimi))
-    return int(slots), (f"auto: {free / 2**30:.1f} GiB free on the GPU, {(kv + mimi) / 2**30:.2f} GiB per "
-                        f"conversation ({lm.context}-frame KV cache + Mimi state), "
-                        f"{loaders.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back")
+    fit = max(1, (free - loaders.GPU_RESERVED_BYTES) // (kv + mimi))
+    return int(min(fit, loaders.GPU_DECODER_SLOTS)), (
+        f"auto: {free / 2**30:.1f} GiB free on the GPU, {(kv + mimi) / 2**30:.2f} GiB per conversation "
+        f"({lm.context}-frame KV cache + Mimi state), {loaders.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, "
+        f"at most {loaders.GPU_DECODER_SLOTS} (code2wav's slots)")
 
 
 def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:

@@ -14,7 +14,7 @@ class TritonPythonModel:
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
             pick_device(params.get("device", "auto")), float(params["idle_timeout_s"]),
             int(params["persona_cache_size"]), params["mimi_runtime"],
-            params.get("warm_personas", ""))
+            params.get("warm_personas", ""), params.get("dtype", "auto"))
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
         log_info(f"{args['model_name']}: personas prefilled at load: {', '.join(self.service.warmed) or 'none'}")

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from personaplex_stream import Persona
-from personaplex_triton import audio, contract
+from personaplex_triton import audio
 from personaplex_triton.launch import REPO_ROOT
 
 USER_WAV = REPO_ROOT / "samples" / "user.wav"

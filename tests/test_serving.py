@@ -36,7 +36,7 @@ def test_sampling_params_from_inputs():
     assert (params.seed, params.greedy, params.top_k, params.temperature_text) == (5, True, 10, 0.5)
     assert params.temperature == 0.8 and params.top_k_text == 25  # PersonaPlex's defaults
     assert sampling_params({}).seed != sampling_params({}).seed  # no SEED: a random one
-    with pytest.raises(InputError, match="temperatures must be > 0"):
+    with pytest.raises(InputError, match=r"TEMPERATURE must lie in \(0, 10\], got 0"):
         sampling_params({contract.TEMPERATURE: np.array([0.0], np.float32)})
     with pytest.raises(InputError, match="SEED must hold one value"):
         sampling_params({contract.SEED: np.array([1, 2])})

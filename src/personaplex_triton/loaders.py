@@ -95,6 +95,16 @@ TEMPERATURE_TEXT = 0.7
 TOP_K = 250
 TOP_K_TEXT = 25
 
+# Limits on what one request may ask of the server (README, "Limits"); each bounds the work,
+# memory or compiled state a client can cause.
+MAX_ROLE_PROMPT_CHARS = 4000   # checked before tokenizing
+MAX_ROLE_PROMPT_TOKENS = 256   # one prefill step per token; PersonaPlex's prompts take a few dozen
+MAX_VOICE_PROMPT_FRAMES = 250  # 20 s, one prefill step per frame
+MAX_FRAMES_PER_REQUEST = 125   # 10 s of audio in one request
+# Top-k, audio and text: the bound of the fixed top-k buckets the GPU engine captures graphs for.
+MAX_TOP_K = 500
+MAX_TEMPERATURE = 10.0
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint folder is missing a file or does not match PersonaPlex's layout."""

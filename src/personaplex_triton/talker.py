@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -80,11 +80,13 @@ class PersonaCache:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._snapshots: OrderedDict[tuple, dict] = OrderedDict()
+        self.on_lookup: Callable[[bool], None] = lambda hit: None  # each get's result, for metrics
 
     def get(self, key: tuple) -> dict | None:
         snap = self._snapshots.get(key)
         if snap is not None:
             self._snapshots.move_to_end(key)
+        self.on_lookup(snap is not None)
         return snap
 
     def put(self, key: tuple, snap: dict) -> None:

@@ -2,7 +2,8 @@
 
 from personaplex_triton import contract, loaders
 from personaplex_triton.serving import TalkerService, pick_device
-from personaplex_triton.triton_adapter import log_info, model_parameters, request_arrays, responder, sequence_flags
+from personaplex_triton.triton_adapter import (
+    TritonMetrics, log_info, model_parameters, request_arrays, responder, sequence_flags)
 
 INPUTS = (contract.AUDIO_IN, *contract.PERSONA_INPUTS)
 
@@ -13,15 +14,15 @@ class TritonPythonModel:
         self.service = TalkerService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), int(params["max_conversations"]),
             pick_device(params.get("device", "auto")), float(params["idle_timeout_s"]),
-            int(params["persona_cache_size"]), params["mimi_runtime"])
+            int(params["persona_cache_size"]), params["mimi_runtime"], TritonMetrics(args["model_name"]))
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
 
     def execute(self, requests):
         for request in requests:
             start, end = sequence_flags(request)
-            send, finish = responder(request)
+            send, finish, is_cancelled = responder(request)
             self.service.handle(int(request.correlation_id()), start, end,
-                                request_arrays(request, INPUTS), send, finish)
+                                request_arrays(request, INPUTS), send, finish, is_cancelled)
         return None
 
     def finalize(self):

@@ -380,6 +380,7 @@ class SlotEngine:
             if request.answered == len(request.items):
                 with self._cond:
                     conv.requests.remove(request)
+                    conv.last_active = time.monotonic()  # idle from its last answer on
                 if not self._answer(request.on_done, None):
                     self._fail(conv, "could not complete a response", reasons.INTERNAL)
 

@@ -205,7 +205,7 @@ def run(minutes: float, workers: int, idle_timeout_s: float, warmup_s: float, sa
             log(f"soak after the load {samples[-1]}")
             final_metrics = scrape(server)
             info = report.server_info(server.grpc_url, server_log)
-        alive_at_end = server.process.returncode is None
+            alive_at_end = server.process.poll() is None
     warm = next((s for s in samples if s["t_s"] >= warmup_s), samples[0])
     end = samples[-1]
     return {
@@ -252,6 +252,8 @@ def markdown(result: dict) -> str:
               f"code2wav {result['slots_in_use_at_end']['code2wav']:g}.", "",
               "Requests refused, by model and reason (the malformed frames, and starts while every slot was taken):", ""]
     lines += [f"- `{k}`: {v:g}" for k, v in result["rejected"].items()]
+    if result.get("corrections"):
+        lines += ["", f"Correction: {result['corrections']}"]
     if result["errors"]:
         lines += ["", "Unexpected errors (first 20):", ""] + [f"- {e}" for e in result["errors"]]
     lines += ["", "| t (s) | RSS (MB) | talker slots | code2wav slots | unexpected errors |",

@@ -6,7 +6,7 @@ CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: all venv checkpoint export demo serve test bench bench-deps gpu-bundle clean
+.PHONY: all venv checkpoint export demo serve test bench soak bench-deps gpu-bundle clean
 
 all: test
 
@@ -43,6 +43,11 @@ test: export bench-deps
 # checkpoint; an existing one with: make bench BENCH_ARGS="--url host:8001" (python -m bench.run -h).
 bench: export bench-deps
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# Conversations start, talk, end or vanish for 10 minutes against a server it starts: slots in
+# use, server RSS and errors over time (python -m bench.soak -h; SOAK_ARGS="--minutes 2").
+soak: export bench-deps
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 bench-deps: $(VENV)/.bench-installed
 	# perf_analyzer loads libb64.so.0d (Debian libb64-0d); installed once, through sudo unless root.

@@ -1,6 +1,7 @@
 """The slot engine's scheduling, on a small arithmetic stage (no model needed)."""
 
 import threading
+import time
 
 import pytest
 
@@ -179,3 +180,206 @@ def test_restart_resets_an_idle_conversation(engine):
     run(engine, 1, [1, 2])
     engine.open(1, None, restart=True)
     assert run(engine, 1, [3]).outputs == [(3, 1)]
+
+
+# -- faults, limits of time, health -------------------------------------------------------
+from personaplex_triton.faults import FaultPlan, SlotFault  # noqa: E402
+from personaplex_triton.metrics import Metrics  # noqa: E402
+
+
+class RecordingMetrics(Metrics):
+    def __init__(self):
+        self.rejected_reasons, self.frames, self.ticks, self.up = [], 0, 0, []
+
+    def rejected(self, reason):
+        self.rejected_reasons.append(reason)
+
+    def frame_answered(self, latency_s):
+        assert latency_s >= 0
+        self.frames += 1
+
+    def tick(self, seconds):
+        self.ticks += 1
+
+    def alive(self, up):
+        self.up.append(up)
+
+
+def wait_until(condition, timeout_s=10):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_failing_send_ends_only_its_conversation(engine):
+    engine.open(1, None)
+    engine.open(2, None)
+    bad, good = Collector(), Collector()
+
+    def broken(output, index):
+        raise RuntimeError("client gone")
+
+    engine.submit(1, [1, 2, 3], broken, bad.on_done)
+    engine.submit(2, [1, 2, 3], good.on_output, good.on_done)
+    bad.wait(), good.wait()
+    assert "could not send a response: client gone" in bad.errors[0]
+    assert good.outputs == [(1, 1), (2, 2), (3, 3)] and good.errors == [None]
+    assert not engine.is_open(1) and engine.is_open(2) and engine.healthy
+
+
+class FaultyStage(CountingStage):
+    """Fails ticks on a schedule: `faults` is a list of exceptions to raise, one per tick that
+    has an item."""
+
+    def __init__(self, num_slots):
+        super().__init__(num_slots)
+        self.faults = []
+
+    def tick(self, items):
+        if self.faults and items:
+            raise self.faults.pop(0)
+        return super().tick(items)
+
+
+def test_fault_naming_a_slot_ends_that_conversation_only():
+    stage = FaultyStage(2)
+    engine = SlotEngine(stage, metrics=(metrics := RecordingMetrics()))
+    try:
+        engine.open(1, "prefill:3")
+        engine.open(2, "prefill:3")
+        stage.faults = [SlotFault(0, "bad row")]  # slot 0 is conversation 1's
+        a, b = Collector(), Collector()
+        engine.submit(1, ["a"], a.on_output, a.on_done)
+        engine.submit(2, ["b1", "b2"], b.on_output, b.on_done)
+        a.wait(), b.wait()
+        assert "internal error while stepping this conversation: bad row" in a.errors[0]
+        assert [x for x, _ in b.outputs] == ["b1", "b2"] and b.errors == [None]
+        assert metrics.rejected_reasons == ["internal"]
+    finally:
+        engine.shutdown()
+
+
+def test_unattributed_fault_is_retried_once():
+    stage = FaultyStage(2)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        stage.faults = [RuntimeError("transient")]
+        c = run(engine, 1, ["x", "y"])
+        assert c.outputs == [("x", 1), ("y", 2)] and c.errors == [None]
+    finally:
+        engine.shutdown()
+
+
+def test_tick_failing_twice_ends_its_conversations_and_the_engine_goes_on():
+    stage = FaultyStage(2)
+    engine = SlotEngine(stage)
+    try:
+        stage.faults = [RuntimeError("down"), RuntimeError("still down")]
+        engine.open(1, None)
+        engine.open(2, "prefill:1000000")  # prefilling: in every tick, though it sends nothing yet
+        c = run(engine, 1, ["x"])
+        assert "internal error while stepping: still down" in c.errors[0]
+        assert not engine.is_open(1) and not engine.is_open(2)  # the prefilling one too: not ticked forever
+        engine.open(3, None)
+        assert run(engine, 3, ["z"]).outputs == [("z", 1)]
+    finally:
+        engine.shutdown()
+
+
+def test_engine_that_cannot_go_on_errors_everything_and_says_so():
+    stage = CountingStage(2)
+    metrics = RecordingMetrics()
+    engine = SlotEngine(stage, metrics=metrics)
+    engine.open(1, "prefill:1000000")
+    c = Collector()
+    engine.submit(1, ["x"], c.on_output, c.on_done)
+    stage.prefilling = None  # the loop itself breaks (not a tick): TypeError on its next pass
+    c.wait()
+    assert "the engine engine stopped" in c.errors[0]
+    assert not engine.healthy and metrics.up[-1] is False
+    with pytest.raises(ConversationError, match="engine stopped"):
+        engine.open(2, None)
+    engine.shutdown()
+
+
+def test_injected_faults_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PERSONAPLEX_INJECT_FAULTS", "tick:1,send:2,flaky-tick:3")
+    plan = FaultPlan.from_env()
+    assert plan.faults == {1: "tick", 2: "send", 3: "flaky-tick"}
+    engine = SlotEngine(CountingStage(4), faults=plan)
+    try:
+        for key in (1, 2, 3, 4):
+            engine.open(key, None)
+        collectors = {key: Collector() for key in (1, 2, 3, 4)}
+        for key, c in collectors.items():
+            engine.submit(key, ["a", "b"], c.on_output, c.on_done)
+        for c in collectors.values():
+            c.wait()
+        assert "injected fault in conversation 1" in collectors[1].errors[0]
+        assert "injected send fault" in collectors[2].errors[0]
+        for key in (3, 4):  # the flaky tick was retried: nothing lost
+            assert [x for x, _ in collectors[key].outputs] == ["a", "b"] and collectors[key].errors == [None]
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="not one of"):
+        FaultPlan.parse("explode:1")
+
+
+def test_idle_conversation_closed_after_timeout():
+    engine = SlotEngine(CountingStage(1), idle_timeout_s=0.3)
+    try:
+        engine.open(1, None)
+        run(engine, 1, ["a"])
+        assert wait_until(lambda: not engine.is_open(1), 5)
+        engine.open(2, None)  # its slot is free
+    finally:
+        engine.shutdown()
+
+
+def test_cancelled_request_frees_its_slot():
+    engine = SlotEngine(CountingStage(1))
+    try:
+        engine.open(1, "prefill:1000000")  # never answers on its own
+        c, cancelled = Collector(), threading.Event()
+        engine.submit(1, ["x"], c.on_output, c.on_done, is_cancelled=cancelled.is_set)
+        cancelled.set()
+        c.wait()
+        assert c.errors == ["the request was cancelled"] and not engine.is_open(1)
+        engine.open(2, None)
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_answers_every_pending_request():
+    engine = SlotEngine(CountingStage(2))
+    engine.open(1, "prefill:1000000")
+    c = Collector()
+    engine.submit(1, ["x"], c.on_output, c.on_done)
+    started = time.monotonic()
+    engine.shutdown(drain_s=0.5)
+    assert c.errors == ["the server is shutting down"]
+    assert time.monotonic() - started < 5
+    with pytest.raises(ConversationError, match="shutting down"):
+        engine.open(2, None)
+
+
+def test_frame_index_gap_ends_the_conversation(engine):
+    engine.open(1, None)
+    run(engine, 1, ["a"])
+    with pytest.raises(ConversationError, match="frame 3 of conversation 1 arrived where frame 1 was due"):
+        engine.submit(1, ["b"], lambda o, i: None, lambda e: None, first_index=3)
+    assert not engine.is_open(1)
+
+
+def test_empty_closing_request_waits_for_earlier_frames(engine):
+    engine.open(1, "prefill:5")
+    order = []
+    engine.submit(1, ["a", "b"], lambda o, i: order.append(o[0]), lambda e: order.append("done a"))
+    closer = Collector()
+    engine.submit(1, [], None, lambda e: (order.append("closed"), closer.on_done(e)), close=True)
+    closer.wait()
+    assert order == ["a", "b", "done a", "closed"] and closer.errors == [None]

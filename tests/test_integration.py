@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton import audio, contract, loaders
 from personaplex_triton.serving import slots_in_log
+from triton_requests import raw_request, voice_input
 
 pytestmark = pytest.mark.integration
 
@@ -116,38 +116,6 @@ def test_persona_controls_change_output(server, solo, user_audio, change):
     result = stream_conversation(short, url=server.grpc_url, persona=persona)
     assert result.frames_received == 12
     assert not np.allclose(result.audio, solo.audio[: short.size], atol=1e-3)
-
-
-def raw_request(server, frames_audio, sequence_id, start, end, extra=()):
-    """One request on its own stream; returns (responses, error message)."""
-    responses, errors, done = [], [], threading.Event()
-
-    def callback(result, error):
-        if error is not None:
-            errors.append(str(error))
-            done.set()
-        elif result.get_response().outputs:
-            responses.append(result)
-        else:
-            done.set()
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback)
-    tensor = grpcclient.InferInput(contract.AUDIO_IN, list(frames_audio.shape),
-                                   "FP32" if frames_audio.dtype == np.float32 else "FP64")
-    tensor.set_data_from_numpy(frames_audio)
-    client.async_stream_infer(contract.MODEL_NAME, [tensor, *extra], sequence_id=sequence_id,
-                              sequence_start=start, sequence_end=end, enable_empty_final_response=True)
-    assert done.wait(120), "no final response"
-    client.stop_stream()
-    client.close()
-    return responses, (errors[0] if errors else None)
-
-
-def voice_input(name):
-    tensor = grpcclient.InferInput(contract.VOICE, [1], "BYTES")
-    tensor.set_data_from_numpy(np.array([name.encode()], dtype=np.object_))
-    return tensor
 
 
 def test_bad_input_is_refused_without_disturbing_others(server, solo, user_audio):

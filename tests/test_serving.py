@@ -36,7 +36,7 @@ def test_sampling_params_from_inputs():
     assert (params.seed, params.greedy, params.top_k, params.temperature_text) == (5, True, 10, 0.5)
     assert params.temperature == 0.8 and params.top_k_text == 25  # PersonaPlex's defaults
     assert sampling_params({}).seed != sampling_params({}).seed  # no SEED: a random one
-    with pytest.raises(InputError, match="temperatures must be > 0"):
+    with pytest.raises(InputError, match=r"TEMPERATURE must lie in \(0, 10\], got 0"):
         sampling_params({contract.TEMPERATURE: np.array([0.0], np.float32)})
     with pytest.raises(InputError, match="SEED must hold one value"):
         sampling_params({contract.SEED: np.array([1, 2])})
@@ -86,3 +86,58 @@ def test_code2wav_refuses_bad_frames(code2wav, codes, frame_index, message):
     out, error = decode(code2wav, 99, frame_index, codes)
     assert out == []
     assert re.search(message, error)
+
+
+def test_frames_per_request_are_limited():
+    from personaplex_triton import loaders
+
+    audio_frames(np.zeros(loaders.MAX_FRAMES_PER_REQUEST * 1920, np.float32))
+    with pytest.raises(InputError, match="holds 126 frames; the limit is 125 per request") as raised:
+        audio_frames(np.zeros((loaders.MAX_FRAMES_PER_REQUEST + 1) * 1920, np.float32))
+    assert raised.value.reason == "limit"
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({contract.TEMPERATURE: np.array([np.nan], np.float32)}, "TEMPERATURE must be a finite number, got nan"),
+    ({contract.TEMPERATURE_TEXT: np.array([np.inf], np.float32), contract.GREEDY: np.array([True])},
+     "TEMPERATURE_TEXT must be a finite number"),
+    ({contract.TEMPERATURE: np.array([10.5], np.float32)}, r"TEMPERATURE must lie in \(0, 10\], got 10.5"),
+    ({contract.TOP_K: np.array([0], np.int32)}, r"TOP_K must lie in \[1, 500\], got 0"),
+    ({contract.TOP_K_TEXT: np.array([100000], np.int32)}, r"TOP_K_TEXT must lie in \[1, 500\], got 100000"),
+    ({contract.SEED: np.array([b"x"], np.object_)}, "SEED must be a number"),
+])
+def test_sampling_values_are_checked(inputs, message):
+    with pytest.raises(InputError, match=message):
+        sampling_params(inputs)
+
+
+def test_greedy_ignores_the_temperature_range():
+    params = sampling_params({contract.GREEDY: np.array([True]), contract.TEMPERATURE: np.array([0.0], np.float32)})
+    assert params.greedy and params.temperature == 0.0
+
+
+def test_prompt_limits(files, monkeypatch):
+    from personaplex_triton import loaders
+    from personaplex_triton.persona import PersonaLibrary, PromptTooLong
+
+    library = PersonaLibrary(files, loaders.get_tokenizer(files))
+    assert len(library.persona("NATF0", "Be brief.").text_tokens) > 0
+    with pytest.raises(PromptTooLong, match="TEXT_PROMPT has 200000 characters; the limit is 4000"):
+        library.persona("NATF0", "a" * 200_000)
+    with pytest.raises(PromptTooLong, match=r"TEXT_PROMPT is \d+ tokens long; the limit is 256"):
+        library.persona("NATF0", "hello there " * 300)
+    monkeypatch.setattr(loaders, "MAX_VOICE_PROMPT_FRAMES", 10)
+    with pytest.raises(PromptTooLong, match=r"voice 'NATF0.pt' is \d+ frames long; the limit is 10 \(0.8 s\)"):
+        library.persona("NATF0", "")
+
+
+def test_code2wav_refuses_a_lost_frame_and_frees_on_a_close_marker(code2wav):
+    codes = np.ones(8, np.int64)
+    assert decode(code2wav, 5, 0, codes)[1] is None
+    out, error = decode(code2wav, 5, 2, codes)  # frame 1 never came
+    assert out == [] and "frame 2 of conversation 5 arrived where frame 1 was due" in error
+    assert not code2wav.engine.is_open(5)
+    assert decode(code2wav, 6, 0, codes)[1] is None
+    out, error = decode(code2wav, 6, seam.CLOSE_ONLY, codes, final=True)
+    assert out == [] and error is None
+    assert not code2wav.engine.is_open(6)

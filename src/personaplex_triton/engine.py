@@ -5,6 +5,11 @@ batched step; the engine maps conversations to slots, queues each request's item
 tick, hands every slot at most one item (slots still prefilling tick without one). Requests
 only queue work (`execute()` returns at once); answers go back through each request's
 callbacks, from the engine's thread, in order.
+
+Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
+conversation it names (`SlotFault`), else it is retried once and then ends the conversations
+in it; the loop goes on. If the loop itself dies, or the engine shuts down, every pending
+request gets an error and `failure` says why (the model's health signal).
 """
 
 from __future__ import annotations
@@ -16,13 +21,26 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from . import metrics as reasons
+from .faults import FaultPlan, SlotFault
+from .metrics import Metrics
 from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
 
 
+HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
+CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
+SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long before they get an error
+
+
 class ConversationError(ValueError):
-    """A request that cannot be served (no free slot, unknown or duplicate conversation)."""
+    """A request that cannot be served (no free slot, unknown or duplicate conversation, a
+    lost frame, shutting down); `reason` labels it in the metrics."""
+
+    def __init__(self, message: str, reason: str = reasons.NOT_OPEN):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Stage(Protocol):
@@ -39,6 +57,8 @@ class _Request:
     items: list
     on_output: Callable[[Any, int], None]  # (output, its index in the conversation), in order
     on_done: Callable[[str | None], None]  # called once, with an error message or None
+    is_cancelled: Callable[[], bool] | None = None
+    received: float = field(default_factory=time.monotonic)
     answered: int = 0
 
 
@@ -50,37 +70,60 @@ class _Conversation:
     queue: deque = field(default_factory=deque)     # (request, item, queued at) not yet ticked
     requests: list = field(default_factory=list)    # requests not yet done
     closing: bool = False
-    answered: int = 0  # items answered so far, over all its requests
+    answered: int = 0   # items answered so far, over all its requests
+    submitted: int = 0  # items queued so far, over all its requests
     last_active: float = field(default_factory=time.monotonic)
+    on_released: list = field(default_factory=list)  # on_done of an empty closing request, owed at release
 
 
 class SlotEngine:
-    def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None):
+    def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
+                 idle_timeout_s: float | None = None, metrics: Metrics | None = None,
+                 faults: FaultPlan | None = None):
         """`evict_after_s`: when every slot is taken, a new conversation replaces the one idle
-        the longest, if idle for at least that long (conversations can end without saying so:
-        a client that vanishes, a sequence that Triton times out)."""
+        the longest, if idle for at least that long. `idle_timeout_s`: a conversation with
+        nothing pending for this long is closed (conversations can end without saying so: a
+        client that vanishes, a sequence that Triton times out). `faults`: see faults.py."""
         self.stage = stage
+        self.name = name
         self.evict_after_s = evict_after_s
+        self.idle_timeout_s = idle_timeout_s
+        self.metrics = metrics or Metrics()
         self.trace = FrameTrace(name)
+        self.tick_span = (0.0, 0.0)  # wall-clock start and end of the last tick, for the trace
+        self.faults = faults
+        self.failure: str | None = None  # why the engine cannot go on
         self._cond = threading.Condition()
         self._open: dict[int, _Conversation] = {}  # by key: those that take more requests
         self._all: list[_Conversation] = []        # every conversation holding or awaiting a slot
         self._free = list(range(stage.num_slots))
         self._to_start: deque[_Conversation] = deque()
         self._running = True
+        self._admitting = True
+        self._last_cancel_poll = self._last_beat = 0.0
+        self._occupancy: tuple[int, int] | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and self._thread.is_alive()
 
     # -- called from request threads -------------------------------------------------------
     def open(self, key: int, setup: Any, restart: bool = False) -> None:
         """Reserve a slot for a new conversation; its state is set up before the next tick.
         `restart`: an idle open conversation with this key starts over in its slot."""
         with self._cond:
+            if self.failure is not None:
+                raise ConversationError(self.failure, reasons.UNAVAILABLE)
+            if not self._admitting:
+                raise ConversationError("the server is shutting down; no new conversations", reasons.UNAVAILABLE)
             conv = self._open.get(key)
             if conv is not None:
                 if not (restart and not conv.queue and not conv.requests):
-                    raise ConversationError(f"conversation {key} is already open")
+                    raise ConversationError(f"conversation {key} is already open", reasons.INVALID_INPUT)
                 conv.setup = setup
+                conv.answered = conv.submitted = 0
                 self._to_start.append(conv)
                 self._cond.notify()
                 return
@@ -91,7 +134,7 @@ class SlotEngine:
                     self._close(min(idle, key=lambda c: c.last_active))
             if len(self._all) - sum(self._closable(c) for c in self._all) >= self.stage.num_slots:
                 raise ConversationError(
-                    f"all {self.stage.num_slots} conversation slots are busy; try again later")
+                    f"all {self.stage.num_slots} conversation slots are busy; try again later", reasons.NO_FREE_SLOT)
             conv = _Conversation(key, setup)
             self._open[key] = conv
             self._all.append(conv)
@@ -102,35 +145,65 @@ class SlotEngine:
         with self._cond:
             return key in self._open
 
-    def submit(self, key: int, items: list, on_output, on_done, close: bool = False) -> None:
+    def submit(self, key: int, items: list, on_output, on_done, close: bool = False,
+               first_index: int | None = None, is_cancelled: Callable[[], bool] | None = None) -> None:
         """Queue items of conversation `key`; `close` ends it: its slot is freed once they are
-        answered, and the key is free for a new conversation at once."""
-        request = _Request(list(items), on_output, on_done)
+        answered, and the key is free for a new conversation at once. An empty closing request
+        is done once every earlier request of its conversation is. `first_index`: the index
+        the first item must have in the conversation (a gap means a frame was lost: the
+        conversation ends with an error). `is_cancelled`: polled while the request is pending;
+        true ends the conversation (its client is gone)."""
+        request = _Request(list(items), on_output, on_done, is_cancelled)
         with self._cond:
+            if self.failure is not None:
+                raise ConversationError(self.failure, reasons.UNAVAILABLE)
             conv = self._open.get(key)
             if conv is None:
                 raise ConversationError(
-                    f"conversation {key} is not open (its start request failed, was never sent, or it ended)")
-            queued = time.time()
-            conv.queue.extend((request, item, queued) for item in request.items)
-            conv.last_active = time.monotonic()
-            if request.items:
-                conv.requests.append(request)
-            if close:
-                self._close(conv)
+                    f"conversation {key} is not open (its start request failed, was never sent, it "
+                    "ended, or it was idle too long)")
+            deferred = False  # an empty closing request answered at its conversation's release
+            if first_index is not None and first_index != conv.submitted:
+                lost = (f"frame {first_index} of conversation {key} arrived where frame {conv.submitted} "
+                        "was due: a frame was lost or repeated; the conversation ends")
+                conv.closing = True
+            else:
+                lost = None
+                queued = time.time()  # wall clock, for the frame trace
+                conv.queue.extend((request, item, queued) for item in request.items)
+                conv.submitted += len(request.items)
+                conv.last_active = time.monotonic()
+                if request.items:
+                    conv.requests.append(request)
+                elif close and (conv.queue or conv.requests):
+                    conv.on_released.append(on_done)
+                    deferred = True
+                if close:
+                    self._close(conv)
             self._cond.notify()
-        if not request.items:
+        if lost is not None:
+            self._fail(conv, lost, reasons.LOST_FRAME)
+            raise ConversationError(lost, reasons.LOST_FRAME)
+        if not request.items and not deferred:
             on_done(None)
 
     def open_keys(self) -> list[int]:
         with self._cond:
             return list(self._open)
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_s: float = SHUTDOWN_DRAIN_S) -> None:
+        """Stop admitting conversations; let pending requests finish for up to `drain_s`, then
+        answer the rest with an error and stop the loop."""
+        deadline = time.monotonic() + drain_s
         with self._cond:
+            self._admitting = False
+            while (self._thread.is_alive() and any(c.requests for c in self._all)
+                   and time.monotonic() < deadline):
+                self._cond.wait(0.1)
             self._running = False
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join(timeout=10)
+        self._stop_all("the server is shutting down", reasons.UNAVAILABLE)
 
     # -- under the lock --------------------------------------------------------------------
     def _close(self, conv: _Conversation) -> None:
@@ -144,84 +217,212 @@ class SlotEngine:
     def _tickable(self, conv: _Conversation) -> bool:
         return conv.slot is not None and (bool(conv.queue) or self.stage.prefilling(conv.slot))
 
-    def _release(self, conv: _Conversation) -> None:
+    def _release(self, conv: _Conversation) -> list:
+        """Free the conversation's slot; returns the callbacks owed at its release."""
         if conv.slot is not None:
-            self.stage.stop(conv.slot)
-            self._free.append(conv.slot)
-            conv.slot = None
+            try:
+                self.stage.stop(conv.slot)
+            finally:
+                self._free.append(conv.slot)
+                conv.slot = None
         if conv in self._to_start:
             self._to_start.remove(conv)
-        self._all.remove(conv)
+        if conv in self._all:
+            self._all.remove(conv)
+        owed, conv.on_released = conv.on_released, []
+        return owed
+
+    def _close_idle(self, now: float) -> None:
+        if self.idle_timeout_s is None:
+            return
+        for conv in list(self._open.values()):
+            if not conv.queue and not conv.requests and now - conv.last_active > self.idle_timeout_s:
+                log.info("%s: conversation %s idle for %.0f s; closing it", self.name, conv.key, now - conv.last_active)
+                self._close(conv)
 
     # -- the engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._running and not (self._to_start or any(
-                        self._closable(c) or self._tickable(c) for c in self._all)):
-                    self._cond.wait()
-                if not self._running:
-                    return
-                for conv in [c for c in self._all if self._closable(c)]:
-                    self._release(conv)
-                starting = list(self._to_start)
-                self._to_start.clear()
-                for conv in starting:
-                    if conv.slot is None:  # the lowest free slot: steps run on the first rows
-                        conv.slot = min(self._free)
-                        self._free.remove(conv.slot)
+        try:
+            while self._pass():
+                pass
+        except BaseException as exc:  # the loop must never die silently
+            log.exception("%s: the engine loop failed", self.name)
+            self._stop_all(f"internal error: the {self.name} engine stopped ({type(exc).__name__}: {exc})",
+                           reasons.UNAVAILABLE)
+
+    def _pass(self) -> bool:
+        """One pass of the loop: free, start, tick; False once shut down."""
+        with self._cond:
+            if self._running and not (self._to_start or any(
+                    self._closable(c) or self._tickable(c) for c in self._all)):
+                self._cond.wait(HEARTBEAT_S)
+            if not self._running:
+                return False
+            now = time.monotonic()
+            self._close_idle(now)
+            owed = [done for conv in [c for c in self._all if self._closable(c)] for done in self._release(conv)]
+            starting = list(self._to_start)
+            self._to_start.clear()
             for conv in starting:
-                self._start(conv)
-            with self._cond:
-                batch: dict[int, tuple[_Conversation, _Request, Any, float]] = {}
-                for conv in self._all:
-                    if conv.slot is None or not conv.queue or self.stage.prefilling(conv.slot):
-                        continue
-                    batch[conv.slot] = (conv, *conv.queue.popleft())
-                prefilling = any(self.stage.prefilling(c.slot) for c in self._all if c.slot is not None)
-            if batch or prefilling:
-                self._tick(batch)
+                if conv.slot is None:  # the lowest free slot: steps run on the first rows
+                    conv.slot = min(self._free)
+                    self._free.remove(conv.slot)
+        for done in owed:
+            self._answer(done, None)
+        self._beat(now)
+        self._poll_cancelled(now)
+        for conv in starting:
+            self._start(conv)
+        with self._cond:
+            batch: dict[int, tuple[_Conversation, _Request, Any, float]] = {}
+            for conv in self._all:
+                if conv.slot is None or not conv.queue or self.stage.prefilling(conv.slot):
+                    continue
+                batch[conv.slot] = (conv, *conv.queue.popleft())
+            prefilling = any(self.stage.prefilling(c.slot) for c in self._all if c.slot is not None)
+        if batch or prefilling:
+            self._tick(batch)
+        self._report_occupancy()
+        return True
+
+    def _beat(self, now: float) -> None:
+        if now - self._last_beat >= HEARTBEAT_S / 2:
+            self._last_beat = now
+            self.metrics.alive(True)
+
+    def _poll_cancelled(self, now: float) -> None:
+        if now - self._last_cancel_poll < CANCEL_POLL_S:
+            return
+        self._last_cancel_poll = now
+        with self._cond:
+            pending = [(c, r) for c in self._all for r in c.requests if r.is_cancelled is not None]
+        gone = set()
+        for conv, request in pending:
+            if conv.key not in gone and request.is_cancelled():
+                gone.add(conv.key)
+                log.info("%s: conversation %s was cancelled by its client; freeing its slot", self.name, conv.key)
+                self._fail(conv, "the request was cancelled", reasons.CANCELLED)
+
+    def _report_occupancy(self) -> None:
+        with self._cond:
+            live = [c.slot for c in self._all if c.slot is not None]
+            occupancy = (len(live), sum(self.stage.prefilling(s) for s in live))
+        if occupancy != self._occupancy:
+            self._occupancy = occupancy
+            self.metrics.conversations(*occupancy)
 
     def _start(self, conv: _Conversation) -> None:
         try:
             self.stage.start(conv.slot, conv.setup)
         except Exception as exc:  # a bad persona must not take the engine down
             log.exception("starting conversation %s failed", conv.key)
-            self._fail(conv, f"could not start the conversation: {exc}")
+            self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)
+
+    def _ticked(self, batch) -> list[_Conversation]:
+        """The conversations a tick steps: those with an item, and those prefilling."""
+        with self._cond:
+            return [c for c in self._all if c.slot is not None
+                    and (c.slot in batch or self.stage.prefilling(c.slot))]
+
+    def _step(self, batch) -> dict | None:
+        """The stage's tick over `batch`; None if it failed for good (its conversations got the
+        error). A fault that names a slot ends that conversation and the rest step again."""
+        retried = False
+        while True:
+            ticked = self._ticked(batch)
+            if not ticked:
+                return None
+            started = time.monotonic()
+            try:
+                if self.faults is not None:
+                    self.faults.before_tick({c.key: c.slot for c in ticked})
+                self.tick_span = (time.time(), None)
+                outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
+                self.tick_span = (self.tick_span[0], time.time())
+            except SlotFault as exc:
+                culprit = next((c for c in ticked if c.slot == exc.slot), None)
+                if culprit is not None:
+                    log.error("%s: step failed in conversation %s: %s", self.name, culprit.key, exc)
+                    batch.pop(exc.slot, None)
+                    self._fail(culprit, f"internal error while stepping this conversation: {exc}", reasons.INTERNAL)
+                    continue
+                error = exc
+            except Exception as exc:
+                error = exc
+            else:
+                self.metrics.tick(time.monotonic() - started)
+                return outputs
+            if not retried:
+                log.warning("%s: step failed (%s); retrying it once", self.name, error)
+                retried = True
+                continue
+            log.error("%s: step failed twice; ending the %d conversations in it", self.name, len(ticked),
+                      exc_info=error)
+            for conv in ticked:
+                self._fail(conv, f"internal error while stepping: {error}", reasons.INTERNAL)
+            return None
 
     def _tick(self, batch) -> None:
-        tick_start = time.time()
-        try:
-            outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
-        except Exception as exc:
-            log.exception("tick failed")
-            for conv, _, _, _ in batch.values():
-                self._fail(conv, f"internal error while stepping: {exc}")
+        outputs = self._step(batch)
+        if outputs is None:
             return
-        tick_end = time.time()
         for slot, (conv, request, _, queued) in batch.items():
-            if slot not in outputs:
-                self._fail(conv, "internal error: the stage produced no output for a frame")
+            if conv.slot != slot:  # ended while stepping
                 continue
-            request.on_output(outputs[slot], conv.answered)
+            if slot not in outputs:
+                self._fail(conv, "internal error: the stage produced no output for a frame", reasons.INTERNAL)
+                continue
+            try:
+                if self.faults is not None:
+                    self.faults.before_send(conv.key)
+                request.on_output(outputs[slot], conv.answered)
+            except Exception as exc:  # the client is gone, or the response could not be made
+                log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
+                self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
+                continue
+            self.metrics.frame_answered(time.monotonic() - request.received)
             if self.trace.enabled:
-                self.trace.frame(conv.key, conv.answered, queued, tick_start, tick_end, len(batch), time.time())
+                self.trace.frame(conv.key, conv.answered, queued, *self.tick_span, len(batch), time.time())
             conv.answered += 1
             request.answered += 1
             if request.answered == len(request.items):
                 with self._cond:
                     conv.requests.remove(request)
-                request.on_done(None)
+                    conv.last_active = time.monotonic()  # idle from its last answer on
+                if not self._answer(request.on_done, None):
+                    self._fail(conv, "could not complete a response", reasons.INTERNAL)
         self.trace.flush()
 
-    def _fail(self, conv: _Conversation, message: str) -> None:
+    def _answer(self, on_done, error: str | None) -> bool:
+        try:
+            on_done(error)
+            return True
+        except Exception:
+            log.exception("%s: answering a request failed", self.name)
+            return False
+
+    def _fail(self, conv: _Conversation, message: str, reason: str) -> None:
         """End a conversation: every request it still owes answers to gets the error."""
         with self._cond:
-            owed = list(conv.requests)
+            owed = [r.on_done for r in conv.requests]
             conv.queue.clear()
             conv.requests.clear()
             self._close(conv)
-            if conv in self._all:
-                self._release(conv)
-        for request in owed:
-            request.on_done(message)
+            owed += self._release(conv)
+        for on_done in owed:
+            self.metrics.rejected(reason)
+            self._answer(on_done, message)
+
+    def _stop_all(self, message: str, reason: str) -> None:
+        """The engine cannot go on: every pending request gets `message`; nothing more is admitted."""
+        with self._cond:
+            self.failure = self.failure or message
+            self._running = False
+            conversations = list(self._all)
+            self._open.clear()
+        for conv in conversations:
+            try:
+                self._fail(conv, message, reason)
+            except Exception:
+                log.exception("%s: ending conversation %s failed", self.name, conv.key)
+        self.metrics.alive(False)

@@ -25,6 +25,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# On SIGTERM Triton 2.51 closes its endpoints at once and refuses new inference requests, the
+# ensemble's own requests to code2wav among them: a request in flight cannot finish, so waiting
+# longer for it gains nothing. Idle conversations are ended by the models' finalize().
+EXIT_TIMEOUT_S = 5
 # No GPU pools, no GPU metrics: quiet and quick on a CPU-only machine; harmless on a GPU one.
 CPU_FLAGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
 
@@ -68,7 +72,7 @@ def command(model_repository: Path = MODEL_REPOSITORY, http_port: int = 8000, gr
     if gpu is None:
         gpu = shutil.which("nvidia-smi") is not None
     argv += [f"--model-repository={model_repository}", "--disable-auto-complete-config",
-             "--exit-timeout-secs=5", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
+             f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--http-port={http_port}", f"--grpc-port={grpc_port}",
              f"--metrics-port={metrics_port}"]
     if not gpu:
         argv += CPU_FLAGS
@@ -90,6 +94,32 @@ def wait_ready(http_port: int, process: subprocess.Popen | None = None, timeout_
             pass
         time.sleep(0.25)
     raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
+
+
+def child_processes(parent: int) -> dict[int, list[str]]:
+    """pid -> argv of the live processes whose parent is `parent` (Linux /proc)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and argv[0]:
+            children[int(entry.name)] = [a.decode(errors="replace") for a in argv]
+    return children
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def free_port() -> int:
@@ -117,6 +147,23 @@ class TritonServer:
     @property
     def grpc_url(self) -> str:
         return f"localhost:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"localhost:{self.metrics_port}"
+
+    def stub_pids(self, model: str) -> list[int]:
+        """The Python backend stub processes serving `model`."""
+        return [pid for pid, argv in child_processes(self.process.pid).items()
+                if "triton_python_backend_stub" in argv[0] and f"/{model}/" in argv[1]]
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and its stub processes."""
+        return sum(rss_bytes(pid) for pid in [self.process.pid, *child_processes(self.process.pid)])
 
     def __enter__(self) -> "TritonServer":
         argv, env = command(self.model_repository, self.http_port, self.grpc_port, self.metrics_port)

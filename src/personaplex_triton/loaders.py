@@ -104,11 +104,21 @@ TEMPERATURE = 0.8
 TEMPERATURE_TEXT = 0.7
 TOP_K = 250
 TOP_K_TEXT = 25
+# Top-k, audio and text: the largest accepted.
+MAX_TOP_K = 500
 # Sampling reads the top-k candidates of a fixed bound per step, the smallest of these buckets
 # that holds every live conversation's top-k: a fixed set of shapes (CUDA graphs), whatever
-# clients ask. The last bucket is the largest top-k accepted.
-TOP_K_BUCKETS = (TOP_K, 2048)
-TOP_K_TEXT_BUCKETS = (TOP_K_TEXT, 2048)
+# clients ask.
+TOP_K_BUCKETS = (TOP_K, MAX_TOP_K)
+TOP_K_TEXT_BUCKETS = (TOP_K_TEXT, MAX_TOP_K)
+
+# Limits on what one request may ask of the server (README, "Limits"); each bounds the work,
+# memory or compiled state a client can cause.
+MAX_ROLE_PROMPT_CHARS = 4000   # checked before tokenizing
+MAX_ROLE_PROMPT_TOKENS = 256   # one prefill step per token; PersonaPlex's prompts take a few dozen
+MAX_VOICE_PROMPT_FRAMES = 250  # 20 s, one prefill step per frame
+MAX_FRAMES_PER_REQUEST = 125   # 10 s of audio in one request
+MAX_TEMPERATURE = 10.0
 
 
 class CheckpointError(RuntimeError):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import audio, loaders
-from .contract import FRAME_SAMPLES, SAMPLE_RATE
+from .contract import FRAME_RATE, FRAME_SAMPLES, SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,20 @@ def wrap_system_prompt(text: str) -> str:
     return f"{tag} {cleaned} {tag}"
 
 
+class PromptTooLong(ValueError):
+    """A role or voice prompt over its limit (loaders.MAX_*); the message says which and by how much."""
+
+
 def system_prompt_tokens(tokenizer, text: str) -> tuple[int, ...]:
     """The prompt's text tokens; an empty prompt prefills no text (the reference crashes)."""
     if not text.strip():
         return ()
-    return tuple(tokenizer.encode(wrap_system_prompt(text)))
+    if len(text) > loaders.MAX_ROLE_PROMPT_CHARS:
+        raise PromptTooLong(f"TEXT_PROMPT has {len(text)} characters; the limit is {loaders.MAX_ROLE_PROMPT_CHARS}")
+    tokens = tuple(tokenizer.encode(wrap_system_prompt(text)))
+    if len(tokens) > loaders.MAX_ROLE_PROMPT_TOKENS:
+        raise PromptTooLong(f"TEXT_PROMPT is {len(tokens)} tokens long; the limit is {loaders.MAX_ROLE_PROMPT_TOKENS}")
+    return tokens
 
 
 @dataclass(frozen=True)
@@ -76,22 +85,29 @@ class Persona:
 
 
 class PersonaLibrary:
-    """The voices of a checkpoint (loaded once each) and the tokenizer for role prompts."""
+    """The voices of a checkpoint, all loaded up front (a voice's first use must not load and
+    normalise a file on the request path), and the tokenizer for role prompts."""
 
     def __init__(self, files: loaders.CheckpointFiles, tokenizer):
         self.files = files
         self.tokenizer = tokenizer
-        self._voices: dict[Path, VoicePrompt] = {}
         names = files.voice_names()
         if not names:
             raise loaders.CheckpointError(f"checkpoint {files.root} has no voices")
         self.default_voice = names[0]
+        self._voices = {path: load_voice(path) for path in sorted(files.voices.iterdir())
+                        if path.suffix in (".pt", ".wav")}
 
     def voice(self, name: str | None) -> VoicePrompt:
         path = self.files.voice_path(name or self.default_voice)
-        if path not in self._voices:
-            self._voices[path] = load_voice(path)
-        return self._voices[path]
+        voice = self._voices.get(path)
+        if voice is None:
+            raise loaders.CheckpointError(f"voice {path.name} was added after the model loaded; reload the model")
+        if voice.num_frames > loaders.MAX_VOICE_PROMPT_FRAMES:
+            raise PromptTooLong(
+                f"voice {voice.name!r} is {voice.num_frames} frames long; the limit is "
+                f"{loaders.MAX_VOICE_PROMPT_FRAMES} ({loaders.MAX_VOICE_PROMPT_FRAMES / FRAME_RATE:g} s)")
+        return voice
 
     def persona(self, voice: str | None, text_prompt: str) -> Persona:
         return Persona(self.voice(voice), system_prompt_tokens(self.tokenizer, text_prompt))

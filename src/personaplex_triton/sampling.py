@@ -9,6 +9,7 @@ from the renormalised distribution (as an exponential race, like moshi's `multin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +51,16 @@ class SamplingParams:
     top_k_text: int = loaders.TOP_K_TEXT
 
     def validate(self) -> None:
-        if not self.greedy:
-            if not self.temperature > 0 or not self.temperature_text > 0:
-                raise ValueError("temperatures must be > 0 (use GREEDY for argmax)")
-            if self.top_k < 1 or self.top_k_text < 1:
-                raise ValueError("top-k values must be >= 1")
+        """ValueError naming the input (as the wire contract calls it) that is out of range."""
+        for name, value in (("TEMPERATURE", self.temperature), ("TEMPERATURE_TEXT", self.temperature_text)):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            if not self.greedy and not 0 < value <= loaders.MAX_TEMPERATURE:
+                raise ValueError(f"{name} must lie in (0, {loaders.MAX_TEMPERATURE:g}], got {value:g} "
+                                 "(use GREEDY for argmax)")
+        for name, value in (("TOP_K", self.top_k), ("TOP_K_TEXT", self.top_k_text)):
+            if not 1 <= value <= loaders.MAX_TOP_K:
+                raise ValueError(f"{name} must lie in [1, {loaders.MAX_TOP_K}], got {value}")
 
 
 class SlotSampling:

@@ -14,19 +14,30 @@ from typing import Callable
 
 import numpy as np
 
-from . import contract, loaders, seam
+from . import contract, loaders, metrics as reasons, seam
 from .engine import ConversationError, SlotEngine
+from .faults import FaultPlan
+from .metrics import Metrics
+from .persona import PromptTooLong
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 Send = Callable[[dict], None]
 Finish = Callable[[str | None], None]
-
+IsCancelled = Callable[[], bool]
 
 
 class InputError(ValueError):
     """A request that breaks the wire contract; the message names the problem."""
+
+    reason = reasons.INVALID_INPUT
+
+
+class LimitError(InputError):
+    """A request over one of the documented limits (loaders.MAX_*)."""
+
+    reason = reasons.LIMIT
 
 
 def pick_device(configured: str = "auto") -> str:
@@ -49,6 +60,9 @@ def audio_frames(audio: np.ndarray | None) -> np.ndarray:
         raise InputError(
             f"{contract.AUDIO_IN} must hold a whole number of {contract.FRAME_SAMPLES}-sample frames, "
             f"got {audio.size} samples")
+    if audio.size > loaders.MAX_FRAMES_PER_REQUEST * contract.FRAME_SAMPLES:
+        raise LimitError(f"{contract.AUDIO_IN} holds {audio.size // contract.FRAME_SAMPLES} frames; the limit "
+                         f"is {loaders.MAX_FRAMES_PER_REQUEST} per request")
     if not np.isfinite(audio).all():
         raise InputError(f"{contract.AUDIO_IN} holds NaN or infinite samples")
     if audio.size and np.abs(audio).max() > 1.0:
@@ -70,7 +84,10 @@ def _scalar(arrays: dict, name: str, kind: type):
             return value.decode("utf-8") if isinstance(value, (bytes, np.bytes_)) else str(value)
         except UnicodeDecodeError as exc:
             raise InputError(f"{name} is not valid UTF-8") from exc
-    return kind(value)
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{name} must be a number") from exc
 
 
 def sampling_params(arrays: dict) -> SamplingParams:
@@ -88,6 +105,11 @@ def sampling_params(arrays: dict) -> SamplingParams:
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     return params
+
+
+def refuse(finish: Finish, error: InputError | ConversationError, metrics: Metrics) -> None:
+    metrics.rejected(error.reason)
+    finish(str(error))
 
 
 def slots_log_line(model: str, slots: int, why: str) -> str:
@@ -115,13 +137,14 @@ class TalkerService:
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
-                 warm_personas: str = "", dtype: str = "auto"):
+                 warm_personas: str = "", dtype: str = "auto", metrics: Metrics | None = None):
         import torch
 
         from .mimi_runtime import open_step
         from .persona import PersonaLibrary
         from .talker import Talker, conversations_that_fit
 
+        self.metrics = metrics or Metrics()
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
         self.mimi = open_step("encoder", files, mimi_runtime, device)
@@ -131,7 +154,9 @@ class TalkerService:
         self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size)
         self.personas = PersonaLibrary(files, tokenizer)
         self.warm(warm_personas)
-        self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s)
+        self.talker.persona_cache.on_lookup = self.metrics.persona_cache_lookup  # after warming: clients' only
+        self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
+                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env())
 
     def warm(self, voices: str) -> list[str]:
         """Prefill personas into the persona cache before serving, so their first conversation
@@ -147,7 +172,8 @@ class TalkerService:
         self.warmed = names[:self.talker.persona_cache.capacity]
         return self.warmed
 
-    def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish) -> None:
+    def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
+               is_cancelled: IsCancelled | None = None) -> None:
         try:
             frames = audio_frames(arrays.get(contract.AUDIO_IN))
             if start:
@@ -158,25 +184,29 @@ class TalkerService:
         except (InputError, ConversationError) as exc:
             if end and not start and self.engine.is_open(conversation):
                 self.engine.submit(conversation, [], None, lambda _: None, close=True)
-            finish(str(exc))
+            refuse(finish, exc, self.metrics)
             return
         first_index = None  # of this request's frames in the conversation
 
         def on_output(step, index):
             nonlocal first_index
             first_index = index if first_index is None else first_index
-            send({
-                seam.AGENT_CODES: step.codes.astype(np.int64),
-                seam.CONVERSATION_ID: np.array([conversation], dtype=np.uint64),
-                seam.FRAME_INDEX: np.array([index], dtype=np.int64),
-                seam.FINAL: np.array([end and index - first_index == len(frames) - 1], dtype=bool),
-                seam.TEXT_PIECE: np.array([self.talker.text_piece(step.text_token).encode()], dtype=np.object_),
-            })
+            send(seam_frame(conversation, index, end and index - first_index == len(frames) - 1,
+                            step.codes.astype(np.int64), self.talker.text_piece(step.text_token)))
+
+        def finish_with_close(error):
+            """An end request without frames: code2wav hears of the end through a close marker."""
+            if error is None:
+                send(seam_frame(conversation, seam.CLOSE_ONLY, True,
+                                np.zeros(seam.NUM_AGENT_CODEBOOKS, np.int64), ""))
+            finish(error)
 
         try:
-            self.engine.submit(conversation, list(frames), on_output, finish, close=end)
+            self.engine.submit(conversation, list(frames), on_output,
+                               finish_with_close if end and not len(frames) else finish,
+                               close=end, is_cancelled=is_cancelled)
         except ConversationError as exc:
-            finish(str(exc))
+            refuse(finish, exc, self.metrics)
 
     def _setup(self, arrays: dict):
         from .talker import TalkerSetup
@@ -187,6 +217,8 @@ class TalkerService:
             persona = self.personas.persona(voice, prompt)
         except loaders.CheckpointError as exc:
             raise InputError(str(exc)) from exc
+        except PromptTooLong as exc:
+            raise LimitError(str(exc)) from exc
         return TalkerSetup(persona, sampling_params(arrays))
 
     def close(self) -> None:
@@ -194,22 +226,35 @@ class TalkerService:
         self.talker.close()
 
 
+def seam_frame(conversation: int, index: int, final: bool, codes: np.ndarray, text: str) -> dict:
+    return {
+        seam.AGENT_CODES: codes,
+        seam.CONVERSATION_ID: np.array([conversation], dtype=np.uint64),
+        seam.FRAME_INDEX: np.array([index], dtype=np.int64),
+        seam.FINAL: np.array([final], dtype=bool),
+        seam.TEXT_PIECE: np.array([text.encode()], dtype=np.object_),
+    }
+
+
 class Code2WavService:
     """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
-                 mimi_runtime: str = "auto"):
+                 mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, metrics: Metrics | None = None):
         from .code2wav import Code2Wav
         from .mimi_runtime import open_step
 
+        self.metrics = metrics or Metrics()
         files = loaders.resolve_checkpoint(checkpoint)
         self.mimi = open_step("decoder", files, mimi_runtime, device)
         self.slots, self.slots_why = pool_size(
             max_conversations, device, loaders.CPU_DECODER_SLOTS,
             lambda: (loaders.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
         self.decoder = Code2Wav(self.mimi, self.slots)
-        # Its conversations end when the talker says so (FINAL), or get replaced once idle.
-        self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0)
+        # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
+        # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
+        self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
+                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:
@@ -218,14 +263,22 @@ class Code2WavService:
                 raise InputError(f"{seam.AGENT_CODES} must be INT64 [{seam.NUM_AGENT_CODEBOOKS}]")
             if codes.min() < 0 or codes.max() >= seam.CODEBOOK_SIZE:
                 raise InputError(f"{seam.AGENT_CODES} must lie in [0, {seam.CODEBOOK_SIZE})")
-            conversation = int(_scalar(arrays, seam.CONVERSATION_ID, int))
-            frame_index = int(_scalar(arrays, seam.FRAME_INDEX, int))
-            final = bool(_scalar(arrays, seam.FINAL, bool))
+            conversation = _scalar(arrays, seam.CONVERSATION_ID, int)
+            frame_index = _scalar(arrays, seam.FRAME_INDEX, int)
+            final = _scalar(arrays, seam.FINAL, bool)
+            if conversation is None or frame_index is None or final is None:
+                raise InputError(f"{seam.CONVERSATION_ID}, {seam.FRAME_INDEX} and {seam.FINAL} are required")
             text = arrays.get(seam.TEXT_PIECE)
+            if frame_index == seam.CLOSE_ONLY:
+                if final and self.engine.is_open(conversation):
+                    self.engine.submit(conversation, [], None, finish, close=True)
+                else:
+                    finish(None)
+                return
             if frame_index == 0:
                 self.engine.open(conversation, None, restart=True)
-        except (InputError, ConversationError, TypeError) as exc:
-            finish(str(exc))
+        except (InputError, ConversationError) as exc:
+            refuse(finish, exc, self.metrics)
             return
         text_out = np.array([b""], dtype=np.object_) if text is None else text.reshape(1)
 
@@ -233,9 +286,9 @@ class Code2WavService:
             send({contract.AUDIO_OUT: pcm.astype(np.float32), contract.TEXT_OUT: text_out})
 
         try:
-            self.engine.submit(conversation, [codes], on_output, finish, close=final)
+            self.engine.submit(conversation, [codes], on_output, finish, close=final, first_index=frame_index)
         except ConversationError as exc:
-            finish(str(exc))
+            refuse(finish, exc, self.metrics)
 
     def close(self) -> None:
         self.engine.shutdown()

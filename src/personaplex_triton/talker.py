@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -89,12 +89,14 @@ class PersonaCache:
         self.capacity = capacity
         self.hits = 0
         self._snapshots: OrderedDict[tuple, dict] = OrderedDict()
+        self.on_lookup: Callable[[bool], None] = lambda hit: None  # each get's result, for metrics
 
     def get(self, key: tuple) -> dict | None:
         snap = self._snapshots.get(key)
         if snap is not None:
             self._snapshots.move_to_end(key)
             self.hits += 1
+        self.on_lookup(snap is not None)
         return snap
 
     def put(self, key: tuple, snap: dict) -> None:
@@ -131,9 +133,6 @@ class Talker:
     def start(self, slot: int, setup: "TalkerSetup") -> None:
         persona, params = setup.persona, setup.sampling
         params.validate()
-        if params.top_k > loaders.TOP_K_BUCKETS[-1] or params.top_k_text > loaders.TOP_K_TEXT_BUCKETS[-1]:
-            raise ValueError(f"top-k must be <= {loaders.TOP_K_BUCKETS[-1]} (audio) and "
-                             f"<= {loaders.TOP_K_TEXT_BUCKETS[-1]} (text)")
         self.generator.start(slot, params)
         cached = self.persona_cache.get(persona.key)
         if cached is not None:

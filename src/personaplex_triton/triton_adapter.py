@@ -6,9 +6,12 @@ Importable only inside Triton's Python backend stub, which provides that module.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from .metrics import FAMILIES, SECONDS_BUCKETS, Metrics
 
 SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = 2    # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -39,7 +42,8 @@ def sequence_flags(request) -> tuple[bool, bool]:
 
 
 def responder(request):
-    """(send, finish) for a decoupled request: a response per call of send, then FINAL."""
+    """(send, finish, is_cancelled) for a decoupled request: a response per call of send, then
+    FINAL; is_cancelled says whether Triton cancelled the request (its client went away)."""
     sender = request.get_response_sender()
 
     def send(outputs: dict[str, np.ndarray]) -> None:
@@ -53,4 +57,46 @@ def responder(request):
         else:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    return send, finish
+    return send, finish, sender.is_cancelled
+
+
+class TritonMetrics(Metrics):
+    """The library's metrics (metrics.py) as Triton custom metrics, labelled with the model."""
+
+    def __init__(self, model: str):
+        # pb_utils.MetricFamily exists once the stub runs a model, not when this module is imported.
+        family = pb_utils.MetricFamily
+        kinds = {"gauge": family.GAUGE, "counter": family.COUNTER, "histogram": family.HISTOGRAM}
+        self.model = model
+        self._families = {name: family(name=name, description=text, kind=kinds[kind])
+                          for name, (kind, text) in FAMILIES.items()}
+        self._series: dict[tuple, object] = {}
+        self.alive(True)
+
+    def _metric(self, name: str, **labels):
+        key = (name, *sorted(labels.items()))
+        if key not in self._series:
+            extra = {"buckets": list(SECONDS_BUCKETS)} if FAMILIES[name][0] == "histogram" else {}
+            self._series[key] = self._families[name].Metric(labels={"model": self.model, **labels}, **extra)
+        return self._series[key]
+
+    def conversations(self, active: int, prefilling: int) -> None:
+        self._metric("personaplex_conversations_active").set(active)
+        self._metric("personaplex_conversations_prefilling").set(prefilling)
+
+    def tick(self, seconds: float) -> None:
+        self._metric("personaplex_tick_duration_seconds").observe(seconds)
+
+    def frame_answered(self, latency_s: float) -> None:
+        self._metric("personaplex_frames_total").increment(1)
+        self._metric("personaplex_frame_latency_seconds").observe(latency_s)
+
+    def rejected(self, reason: str) -> None:
+        self._metric("personaplex_requests_rejected_total", reason=reason).increment(1)
+
+    def persona_cache_lookup(self, hit: bool) -> None:
+        self._metric("personaplex_persona_cache_lookups_total", result="hit" if hit else "miss").increment(1)
+
+    def alive(self, up: bool) -> None:
+        self._metric("personaplex_engine_up").set(1 if up else 0)
+        self._metric("personaplex_engine_heartbeat_seconds").set(time.time())

@@ -1,0 +1,53 @@
+"""What the stages report for monitoring: the names, kinds and meanings of their metrics.
+
+`Metrics` records nothing; `triton_adapter.TritonMetrics` puts the same calls on Triton's
+Prometheus endpoint (`:8002/metrics`), each series labelled with the model's name.
+"""
+
+from __future__ import annotations
+
+# name: (kind, description); the README's "Metrics" lists the same.
+FAMILIES = {
+    "personaplex_conversations_active": ("gauge", "Conversations holding a slot"),
+    "personaplex_conversations_prefilling": ("gauge", "Conversations still playing their persona prefill"),
+    "personaplex_tick_duration_seconds": ("histogram", "Duration of one batched step over the slot pool"),
+    "personaplex_frames_total": ("counter", "Frames answered"),
+    "personaplex_frame_latency_seconds": ("histogram", "In-server latency of a frame: request arrival in the model to its response"),
+    "personaplex_requests_rejected_total": ("counter", "Requests answered with an error, by reason"),
+    "personaplex_persona_cache_lookups_total": ("counter", "Persona cache lookups at a conversation's start, by result (hit, miss)"),
+    "personaplex_engine_up": ("gauge", "1 while the model's engine runs, 0 once it cannot go on"),
+    "personaplex_engine_heartbeat_seconds": ("gauge", "Unix time of the engine loop's last pass (at least once a second)"),
+}
+SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
+
+# Labels of personaplex_requests_rejected_total.
+INVALID_INPUT = "invalid_input"      # breaks the wire contract
+LIMIT = "limit"                      # over one of the documented limits
+NO_FREE_SLOT = "no_free_slot"
+NOT_OPEN = "not_open"                # no such conversation (never started, ended, or timed out)
+LOST_FRAME = "lost_frame"            # a frame index out of order between the stages
+CANCELLED = "cancelled"              # the client went away
+INTERNAL = "internal"                # a failed step or send
+UNAVAILABLE = "unavailable"          # shutting down, or the engine stopped
+
+
+class Metrics:
+    """The calls an engine and its service make; this base records nothing."""
+
+    def conversations(self, active: int, prefilling: int) -> None:
+        pass
+
+    def tick(self, seconds: float) -> None:
+        pass
+
+    def frame_answered(self, latency_s: float) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+    def persona_cache_lookup(self, hit: bool) -> None:
+        pass
+
+    def alive(self, up: bool) -> None:
+        """The engine's heartbeat: `up` false once it cannot go on."""

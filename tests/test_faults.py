@@ -1,0 +1,242 @@
+"""The fault suite, against a real `tritonserver`: malformed and over-limit requests, internal
+faults injected next to a healthy conversation, a vanished client, the metrics, a killed stub
+process, and SIGTERM. Each healthy conversation must lose nothing: it is compared frame by
+frame with the same conversation run alone."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from personaplex_stream import Persona, ServerError, stream_conversation
+from personaplex_triton import contract, health, loaders
+from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer
+from triton_requests import raw_request, tensor, voice_input
+
+pytestmark = pytest.mark.integration
+
+IDLE_TIMEOUT_S = 3
+FAULTS = {"tick": 7001, "flaky-tick": 7002, "send": 7003}
+HEALTHY = Persona(voice="NATF0", text_prompt="Be kind.", seed=5)
+FRAME = np.zeros(contract.FRAME_SAMPLES, np.float32)
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_checkpoint, tmp_path_factory):
+    """A server whose talker closes idle conversations after 3 s and injects the FAULTS."""
+    root = tmp_path_factory.mktemp("faults")
+    repository = root / "model_repository"
+    shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+    config = repository / "talker" / "config.pbtxt"
+    text, count = re.subn(r'(key: "idle_timeout_s" value: \{ string_value: ")[^"]*"', rf'\g<1>{IDLE_TIMEOUT_S}"',
+                          config.read_text())
+    assert count == 1
+    config.write_text(text)
+    env = {"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint),
+           "PERSONAPLEX_INJECT_FAULTS": ",".join(f"{kind}:{key}" for kind, key in FAULTS.items())}
+    with TritonServer(repository, env=env, log_path=root / "tritonserver.log") as srv:
+        yield srv
+
+
+def user_pcm(frames: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-0.3, 0.3, frames * contract.FRAME_SAMPLES).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def healthy_alone(faulty):
+    """The healthy conversation alone; run twice, so its persona is cached from then on."""
+    stream_conversation(user_pcm(2), url=faulty.grpc_url, persona=HEALTHY)
+    return stream_conversation(user_pcm(24), url=faulty.grpc_url, persona=HEALTHY)
+
+
+class Beside:
+    """The healthy conversation in a thread, while the test does something else."""
+
+    def __init__(self, server):
+        self.result = None
+        self._thread = threading.Thread(target=self._talk, args=(server,))
+        self._thread.start()
+
+    def _talk(self, server):
+        self.result = stream_conversation(user_pcm(24), url=server.grpc_url, persona=HEALTHY)
+
+    def assert_lost_nothing(self, alone):
+        self._thread.join(300)
+        assert self.result is not None, "the healthy conversation failed"
+        assert self.result.frames_received == alone.frames_received == 24
+        assert self.result.text_pieces == alone.text_pieces
+        np.testing.assert_allclose(self.result.audio, alone.audio, atol=1e-4)
+
+
+def scrape(server) -> dict[str, float]:
+    """`name{labels}` -> value of every sample on the metrics endpoint."""
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            samples[series] = float(value)
+    return samples
+
+
+def active(server, model="talker") -> float:
+    return scrape(server)[f'personaplex_conversations_active{{model="{model}"}}']
+
+
+def wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_malformed_and_over_limit_requests_get_clear_errors(faulty, healthy_alone):
+    beside = Beside(faulty)
+    start = [voice_input("NATF0")]
+    cases = [  # (AUDIO_IN, extra inputs, start, end, what the error must say)
+        (None, start, True, True, "missing input AUDIO_IN"),
+        (FRAME, [tensor(contract.TEXT_PROMPT, np.array([b"a" * 200_000]))], True, True,
+         "TEXT_PROMPT has 200000 characters; the limit is 4000"),
+        (FRAME, [tensor(contract.TEXT_PROMPT, np.array([b"hello there " * 300]))], True, True,
+         "tokens long; the limit is 256"),
+        (np.zeros((loaders.MAX_FRAMES_PER_REQUEST + 1) * contract.FRAME_SAMPLES, np.float32), start, True, True,
+         "holds 126 frames; the limit is 125 per request"),
+        (FRAME, [tensor(contract.TOP_K, np.array([501], np.int32))], True, True, r"TOP_K must lie in [1, 500]"),
+        (FRAME, [tensor(contract.TOP_K_TEXT, np.array([0], np.int32))], True, True, "TOP_K_TEXT must lie in [1, 500]"),
+        (FRAME, [tensor(contract.TEMPERATURE, np.array([np.nan], np.float32))], True, True,
+         "TEMPERATURE must be a finite number, got nan"),
+        (FRAME, [tensor(contract.TEMPERATURE_TEXT, np.array([0.0], np.float32))], True, True,
+         "TEMPERATURE_TEXT must lie in (0, 10]"),
+        (np.full(1920, 2.0, np.float32), start, True, True, "must lie in [-1, 1]"),
+        (FRAME, [voice_input("NOBODY")], True, True, "unknown voice 'NOBODY'"),
+    ]
+    for sequence_id, (audio, extra, first, last, message) in enumerate(cases, start=801):
+        responses, error = raw_request(faulty, audio, sequence_id, first, last, extra)
+        assert responses == [] and error is not None and message in error, (sequence_id, error)
+    # Mid-conversation: only SEED (the ensemble wants AUDIO_IN), SEED with audio (persona inputs
+    # only at the start); the conversation carries on after both.
+    assert raw_request(faulty, FRAME, 830, True, False, start)[1] is None
+    _, error = raw_request(faulty, None, 830, False, False, [tensor(contract.SEED, np.array([3], np.int64))])
+    assert "missing input AUDIO_IN" in error
+    _, error = raw_request(faulty, FRAME, 830, False, False, [tensor(contract.SEED, np.array([3], np.int64))])
+    assert "only accepted on the sequence-start request" in error
+    responses, error = raw_request(faulty, FRAME, 830, False, True)
+    assert error is None and len(responses) == 1
+    beside.assert_lost_nothing(healthy_alone)
+    # No refused start holds a slot of the talker or code2wav.
+    assert wait_for(lambda: active(faulty) == 0 and active(faulty, "code2wav") == 0, 30)
+
+
+def test_internal_faults_stay_with_their_conversation(faulty, healthy_alone):
+    beside = Beside(faulty)
+    with pytest.raises(ServerError, match="injected fault in conversation 7001"):
+        stream_conversation(user_pcm(4), url=faulty.grpc_url, sequence_id=FAULTS["tick"])
+    # A step failing once, naming no one, is retried: nobody loses a frame.
+    flaky = stream_conversation(user_pcm(4), url=faulty.grpc_url, sequence_id=FAULTS["flaky-tick"])
+    assert flaky.frames_received == 4
+    with pytest.raises(ServerError, match="could not send a response: injected send fault"):
+        stream_conversation(user_pcm(4), url=faulty.grpc_url, sequence_id=FAULTS["send"])
+    beside.assert_lost_nothing(healthy_alone)
+    assert wait_for(lambda: active(faulty) == 0, 30)
+
+
+def test_vanished_client_frees_its_slot(faulty):
+    client = grpcclient.InferenceServerClient(faulty.grpc_url)
+    answered = threading.Event()
+    client.start_stream(lambda result, error: answered.set())
+    client.async_stream_infer(contract.MODEL_NAME, [tensor(contract.AUDIO_IN, FRAME), voice_input("NATM0")],
+                              sequence_id=901, sequence_start=True, sequence_end=False)
+    assert answered.wait(120)
+    assert active(faulty) == 1
+    client.stop_stream(cancel_requests=True)  # gone without the end request
+    client.close()
+    vanished = time.monotonic()
+    # Through the ensemble Triton 2.51 does not pass the cancellation on: the idle timeout frees it.
+    assert wait_for(lambda: active(faulty) == 0, IDLE_TIMEOUT_S + 20)
+    assert time.monotonic() - vanished >= IDLE_TIMEOUT_S - 1
+    _, error = raw_request(faulty, FRAME, 901, False, True)
+    assert "conversation 901 is not open" in error and "idle too long" in error
+
+
+def test_metrics_on_the_prometheus_endpoint(faulty):
+    samples = scrape(faulty)
+    for model in ("talker", "code2wav"):
+        label = f'{{model="{model}"}}'
+        assert samples[f"personaplex_frames_total{label}"] > 0
+        assert samples[f"personaplex_tick_duration_seconds_count{label}"] > 0
+        assert samples[f"personaplex_frame_latency_seconds_count{label}"] >= samples[f"personaplex_frames_total{label}"]
+        assert samples[f"personaplex_engine_up{label}"] == 1
+        assert abs(samples[f"personaplex_engine_heartbeat_seconds{label}"] - time.time()) < 5
+        assert f"personaplex_conversations_prefilling{label}" in samples
+    rejected = lambda reason: samples.get(f'personaplex_requests_rejected_total{{model="talker",reason="{reason}"}}', 0)
+    assert rejected("limit") >= 3 and rejected("invalid_input") >= 7 and rejected("internal") >= 2
+    assert rejected("not_open") >= 1
+    assert samples['personaplex_persona_cache_lookups_total{model="talker",result="hit"}'] >= 1
+    assert samples['personaplex_persona_cache_lookups_total{model="talker",result="miss"}'] >= 1
+    # a tick is at least some milliseconds of work; the histogram's buckets add up
+    assert samples['personaplex_tick_duration_seconds_bucket{model="talker",le="+Inf"}'] == \
+        samples['personaplex_tick_duration_seconds_count{model="talker"}']
+
+
+def test_killed_stub_turns_the_health_check_false(faulty):
+    """Last in this module: it leaves the server's talker dead."""
+    assert health.problems(faulty.http_url, faulty.metrics_url) == []
+    cli = subprocess.run([sys.executable, "-m", "personaplex_triton.health",
+                          "--url", faulty.http_url, "--metrics-url", faulty.metrics_url],
+                         capture_output=True, text=True, timeout=60)
+    pids = faulty.stub_pids("talker")
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    assert wait_for(lambda: health.problems(faulty.http_url, faulty.metrics_url) != [], 20)
+    found = health.problems(faulty.http_url, faulty.metrics_url)
+    assert any(p.startswith("talker:") for p in found), found
+    assert not any(p.startswith("code2wav:") for p in found), found
+    assert cli.returncode == 0 and cli.stdout.strip() == "ok"
+
+
+def test_sigterm_leaves_no_request_in_silence_and_exits(tiny_checkpoint, tmp_path):
+    """SIGTERM with an idle open conversation and a request in flight: the request is answered
+    (Triton 2.51 closes the stream: an error) and the server exits within its exit timeout."""
+    from personaplex_triton.launch import EXIT_TIMEOUT_S
+
+    server = TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=tmp_path / "triton.log")
+    with server:
+        assert raw_request(server, FRAME, 1, True, False)[1] is None  # open, then idle
+        received, errors, final = [], [], threading.Event()
+
+        def callback(result, error):
+            if error is not None:
+                errors.append(str(error))
+                final.set()
+            elif result.get_response().outputs:
+                received.append(1)
+            else:
+                final.set()
+
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback)
+        frames = 40
+        client.async_stream_infer(contract.MODEL_NAME, [tensor(contract.AUDIO_IN, np.zeros(frames * 1920, np.float32))],
+                                  sequence_id=2, sequence_start=True, sequence_end=True,
+                                  enable_empty_final_response=True)
+        assert wait_for(lambda: received, 120)
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert final.wait(EXIT_TIMEOUT_S + 30), "the pending request was never answered"
+        assert len(received) == frames or errors
+        server.process.wait(EXIT_TIMEOUT_S + 30)
+        assert time.monotonic() - signalled < EXIT_TIMEOUT_S + 30
+        client.stop_stream()
+        client.close()

@@ -28,12 +28,16 @@ class InputError(ValueError):
     """A request that breaks the wire contract; the message names the problem."""
 
 
-def pick_device(configured: str = "auto") -> str:
+def pick_device(configured: str = "auto", gpu_index: int | None = None) -> str:
+    """`configured` unless "auto"; else the instance's GPU (`gpu_index`: Triton's device id of a
+    KIND_GPU instance), any CUDA device, or the CPU."""
     import torch
 
     if configured and configured != "auto":
         return configured
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "cuda" if gpu_index is None else f"cuda:{gpu_index}"
 
 
 def audio_frames(audio: np.ndarray | None) -> np.ndarray:
@@ -109,6 +113,10 @@ class TalkerService:
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish) -> None:
         try:
             frames = audio_frames(arrays.get(contract.AUDIO_IN))
+            if end and len(frames) > 1:
+                # code2wav's sequence batcher ends the conversation at the first frame that
+                # carries the request's end flag, and the ensemble gives it to every frame.
+                raise InputError(f"the sequence-end request carries at most one frame, got {len(frames)}")
             if start:
                 self.engine.open(conversation, self._setup(arrays))
             elif any(name in arrays for name in contract.PERSONA_INPUTS):

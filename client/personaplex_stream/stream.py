@@ -35,6 +35,7 @@ __all__ = [
     "StreamError",
     "ServerUnreachableError",
     "ServerError",
+    "ConnectionLostError",
     "StreamTimeoutError",
     "ProtocolError",
     "stream_conversation",
@@ -61,6 +62,10 @@ class ServerUnreachableError(StreamError):
 
 class ServerError(StreamError):
     """The server answered with an error (its message is the exception's message)."""
+
+
+class ConnectionLostError(StreamError):
+    """The stream broke mid-conversation: the server (or the balancer before it) went away."""
 
 
 class StreamTimeoutError(StreamError):
@@ -228,8 +233,13 @@ def _error_text(error) -> str:
     return str(error)
 
 
+def _grpc_status(error):
+    """The gRPC status of a transport error; None for an error the model sent in a response."""
+    return error.status() if isinstance(error, InferenceServerException) else None
+
+
 def _is_unavailable(error) -> bool:
-    status = error.status() if isinstance(error, InferenceServerException) else None
+    status = _grpc_status(error)
     return status is not None and "UNAVAILABLE" in str(status)
 
 
@@ -324,6 +334,9 @@ def stream_conversation(
             msg = _error_text(error)
             if _is_unavailable(error):
                 raise ServerUnreachableError(f"Triton at {url} is unreachable (stream failed): {msg}")
+            if _grpc_status(error) is not None:
+                raise ConnectionLostError(f"the stream to {url} broke after {state['received']} of {n} frames "
+                                          f"were answered (the server or the balancer went away): {msg}")
             raise ServerError(f"server error (model {model_name!r}, frame {state['received']}): {msg}")
         response = result.get_response()
         if len(response.outputs) == 0:

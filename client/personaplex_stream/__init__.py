@@ -12,6 +12,7 @@ conversation to PersonaPlex served on Triton Inference Server.
 
 from .stream import (
     DEFAULT_URL,
+    ConnectionLostError,
     ConversationResult,
     Persona,
     ProtocolError,
@@ -28,6 +29,7 @@ from .stream import (
 
 __all__ = [
     "DEFAULT_URL",
+    "ConnectionLostError",
     "ConversationResult",
     "Persona",
     "ProtocolError",

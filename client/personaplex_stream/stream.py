@@ -35,6 +35,7 @@ __all__ = [
     "StreamError",
     "ServerUnreachableError",
     "ServerError",
+    "ConnectionLostError",
     "StreamTimeoutError",
     "ProtocolError",
     "stream_conversation",
@@ -61,6 +62,10 @@ class ServerUnreachableError(StreamError):
 
 class ServerError(StreamError):
     """The server answered with an error (its message is the exception's message)."""
+
+
+class ConnectionLostError(StreamError):
+    """The stream broke mid-conversation: the server (or the balancer before it) went away."""
 
 
 class StreamTimeoutError(StreamError):
@@ -93,9 +98,19 @@ class Persona:
     top_k_text: Optional[int] = None
 
 
-def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
-    t = grpcclient.InferInput(name, list(value.shape), datatype)
-    t.set_data_from_numpy(value)
+# Persona field -> the start request's input of that name.
+PERSONA_FIELDS = {"voice": contract.VOICE, "text_prompt": contract.TEXT_PROMPT, "seed": contract.SEED,
+                  "greedy": contract.GREEDY, "temperature": contract.TEMPERATURE,
+                  "temperature_text": contract.TEMPERATURE_TEXT, "top_k": contract.TOP_K,
+                  "top_k_text": contract.TOP_K_TEXT}
+
+
+def _tensor(name: str, value) -> grpcclient.InferInput:
+    """An input of the contract, its datatype and numpy dtype taken from `contract.SPECS`."""
+    datatype = contract.SPECS[name].datatype
+    array = np.asarray(value, dtype=contract.NUMPY_DTYPES[datatype])
+    t = grpcclient.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
     return t
 
 
@@ -104,26 +119,10 @@ def build_persona_inputs(persona: Optional[Persona]) -> list:
     if persona is None:
         return []
     inputs = []
-    if persona.voice is not None:
-        inputs.append(_tensor(contract.VOICE, np.array([persona.voice.encode("utf-8")], dtype=np.object_), "BYTES"))
-    if persona.text_prompt is not None:
-        inputs.append(
-            _tensor(contract.TEXT_PROMPT, np.array([persona.text_prompt.encode("utf-8")], dtype=np.object_), "BYTES")
-        )
-    if persona.seed is not None:
-        inputs.append(_tensor(contract.SEED, np.array([int(persona.seed)], dtype=np.int64), "INT64"))
-    if persona.greedy is not None:
-        inputs.append(_tensor(contract.GREEDY, np.array([bool(persona.greedy)], dtype=np.bool_), "BOOL"))
-    if persona.temperature is not None:
-        inputs.append(_tensor(contract.TEMPERATURE, np.array([persona.temperature], dtype=np.float32), "FP32"))
-    if persona.temperature_text is not None:
-        inputs.append(
-            _tensor(contract.TEMPERATURE_TEXT, np.array([persona.temperature_text], dtype=np.float32), "FP32")
-        )
-    if persona.top_k is not None:
-        inputs.append(_tensor(contract.TOP_K, np.array([int(persona.top_k)], dtype=np.int32), "INT32"))
-    if persona.top_k_text is not None:
-        inputs.append(_tensor(contract.TOP_K_TEXT, np.array([int(persona.top_k_text)], dtype=np.int32), "INT32"))
+    for field_name, name in PERSONA_FIELDS.items():
+        value = getattr(persona, field_name)
+        if value is not None:
+            inputs.append(_tensor(name, [value.encode("utf-8") if isinstance(value, str) else value]))
     return inputs
 
 
@@ -132,7 +131,7 @@ def build_request_inputs(frame: np.ndarray, persona: Optional[Persona] = None, f
     frame = np.ascontiguousarray(frame, dtype=np.float32).reshape(-1)
     if frame.size != contract.FRAME_SAMPLES:
         raise ValueError(f"a frame has {contract.FRAME_SAMPLES} samples, got {frame.size}")
-    inputs = [_tensor(contract.AUDIO_IN, frame, "FP32")]
+    inputs = [_tensor(contract.AUDIO_IN, frame)]
     if first:
         inputs.extend(build_persona_inputs(persona))
     return inputs
@@ -237,8 +236,13 @@ def _error_text(error) -> str:
     return str(error)
 
 
+def _grpc_status(error):
+    """The gRPC status of a transport error; None for an error the model sent in a response."""
+    return error.status() if isinstance(error, InferenceServerException) else None
+
+
 def _is_unavailable(error) -> bool:
-    status = error.status() if isinstance(error, InferenceServerException) else None
+    status = _grpc_status(error)
     return status is not None and "UNAVAILABLE" in str(status)
 
 
@@ -334,6 +338,9 @@ def stream_conversation(
             msg = _error_text(error)
             if _is_unavailable(error):
                 raise ServerUnreachableError(f"Triton at {url} is unreachable (stream failed): {msg}")
+            if _grpc_status(error) is not None:
+                raise ConnectionLostError(f"the stream to {url} broke after {state['received']} of {n} frames "
+                                          f"were answered (the server or the balancer went away): {msg}")
             raise ServerError(f"server error (model {model_name!r}, frame {state['received']}): {msg}")
         response = result.get_response()
         if len(response.outputs) == 0:

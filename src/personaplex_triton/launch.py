@@ -31,6 +31,18 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 EXIT_TIMEOUT_S = 5
 # No GPU pools, no GPU metrics: quiet and quick on a CPU-only machine; harmless on a GPU one.
 CPU_FLAGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
+# APIs that let a caller change the server or map its memory: only with the admin key's header.
+# Inference, health, metadata, model config and statistics stay open to clients.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+ADMIN_KEY_HEADER = "personaplex-admin-key"  # over HTTP; over gRPC Triton expects it prefixed:
+GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
+
+
+def restricted_api_flags(admin_key: str) -> list[str]:
+    """tritonserver flags of a server that faces clients: the admin APIs behind a header key on
+    gRPC and HTTP, and no model control (the models loaded at start stay; load/unload refused)."""
+    rule = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={admin_key}"
+    return [f"--grpc-restricted-protocol={rule}", f"--http-restricted-api={rule}", "--model-control-mode=none"]
 
 
 def model_parameter(model: str, key: str, model_repository: Path = MODEL_REPOSITORY) -> str:
@@ -57,7 +69,8 @@ def _bundled_tritonserver() -> tuple[Path, Path]:
 
 
 def command(model_repository: Path = MODEL_REPOSITORY, http_port: int = 8000, grpc_port: int = 8001,
-            metrics_port: int = 8002, gpu: bool | None = None) -> tuple[list[str], dict[str, str]]:
+            metrics_port: int = 8002, gpu: bool | None = None,
+            admin_key: str | None = None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     env.setdefault("NO_TORCH_COMPILE", "1")
     on_path = shutil.which("tritonserver")
@@ -76,6 +89,8 @@ def command(model_repository: Path = MODEL_REPOSITORY, http_port: int = 8000, gr
              f"--metrics-port={metrics_port}"]
     if not gpu:
         argv += CPU_FLAGS
+    if admin_key:
+        argv += restricted_api_flags(admin_key)
     return argv, env
 
 
@@ -131,16 +146,18 @@ def free_port() -> int:
 class TritonServer:
     """A `tritonserver` child process for the lifetime of a `with` block, on free ports.
 
-    `ready_s` is the time from launch to ready; the server's output goes to `log_path`.
+    `ready_s` is the time from launch to ready; the server's output goes to `log_path`;
+    `admin_key`: the admin APIs restricted to it (`restricted_api_flags`).
     """
 
     def __init__(self, model_repository: Path = MODEL_REPOSITORY, env: dict | None = None,
-                 log_path: Path | None = None, timeout_s: float = 600):
+                 log_path: Path | None = None, timeout_s: float = 600, admin_key: str | None = None):
         self.model_repository = model_repository
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.extra_env = env or {}
         self.log_path = log_path
         self.timeout_s = timeout_s
+        self.admin_key = admin_key
         self.ready_s: float | None = None
         self.process: subprocess.Popen | None = None
 
@@ -166,7 +183,8 @@ class TritonServer:
         return sum(rss_bytes(pid) for pid in [self.process.pid, *child_processes(self.process.pid)])
 
     def __enter__(self) -> "TritonServer":
-        argv, env = command(self.model_repository, self.http_port, self.grpc_port, self.metrics_port)
+        argv, env = command(self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
+                            admin_key=self.admin_key)
         env.update(self.extra_env)
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -194,8 +212,12 @@ def main(argv=None) -> int:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--admin-key", default=os.environ.get("PERSONAPLEX_ADMIN_KEY"),
+                        help=f"restrict {', '.join(RESTRICTED_APIS)} to requests with the header "
+                             f"{ADMIN_KEY_HEADER}: KEY (default: $PERSONAPLEX_ADMIN_KEY; unset: open)")
     args = parser.parse_args(argv)
-    cmd, env = command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port)
+    cmd, env = command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
+                       admin_key=args.admin_key)
     os.execvpe(cmd[0], cmd, env)
 
 

@@ -40,12 +40,16 @@ class LimitError(InputError):
     reason = reasons.LIMIT
 
 
-def pick_device(configured: str = "auto") -> str:
+def pick_device(configured: str = "auto", gpu_index: int | None = None) -> str:
+    """`configured` unless "auto"; else the instance's GPU (`gpu_index`: Triton's device id of a
+    KIND_GPU instance), any CUDA device, or the CPU."""
     import torch
 
     if configured and configured != "auto":
         return configured
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "cuda" if gpu_index is None else f"cuda:{gpu_index}"
 
 
 def audio_frames(audio: np.ndarray | None) -> np.ndarray:
@@ -176,6 +180,10 @@ class TalkerService:
                is_cancelled: IsCancelled | None = None) -> None:
         try:
             frames = audio_frames(arrays.get(contract.AUDIO_IN))
+            if end and len(frames) > 1:
+                # code2wav's sequence batcher ends the conversation at the first frame that
+                # carries the request's end flag, and the ensemble gives it to every frame.
+                raise InputError(f"the sequence-end request carries at most one frame, got {len(frames)}")
             if start:
                 self.engine.open(conversation, self._setup(arrays))
             elif any(name in arrays for name in contract.PERSONA_INPUTS):

@@ -22,6 +22,11 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
+def instance_gpu(args: dict) -> int | None:
+    """The GPU of a KIND_GPU instance (one per GPU with instance_group `gpus`), else None."""
+    return int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else None
+
+
 def log_info(message: str) -> None:
     """Into tritonserver's log (shown with --log-info, the default)."""
     pb_utils.Logger.log_info(message)

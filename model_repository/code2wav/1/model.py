@@ -3,7 +3,7 @@
 from personaplex_triton import loaders, seam
 from personaplex_triton.serving import Code2WavService, pick_device, slots_log_line
 from personaplex_triton.triton_adapter import (
-    TritonMetrics, log_info, model_parameters, request_arrays, responder)
+    TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder)
 
 INPUTS = (seam.AGENT_CODES, seam.CONVERSATION_ID, seam.FRAME_INDEX, seam.FINAL, seam.TEXT_PIECE)
 
@@ -13,15 +13,19 @@ class TritonPythonModel:
         params = model_parameters(args)
         self.service = Code2WavService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
-            pick_device(params.get("device", "auto")), params["mimi_runtime"],
+            pick_device(params.get("device", "auto"), instance_gpu(args)), params["mimi_runtime"],
             metrics=TritonMetrics(args["model_name"]))
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
+        self.instance = args["model_instance_name"]
 
     def execute(self, requests):
         for request in requests:
             send, finish, _ = responder(request)
-            self.service.handle(request_arrays(request, INPUTS), send, finish)
+            arrays = request_arrays(request, INPUTS)
+            if arrays.get(seam.FRAME_INDEX, [None])[0] == 0:  # the conversation's first frame, on this instance
+                log_info(f"{self.instance}: conversation {request.correlation_id()} starts")
+            self.service.handle(arrays, send, finish)
         return None
 
     def finalize(self):

@@ -1,0 +1,219 @@
+"""The model repository's `config.pbtxt` files, made from the wire contract.
+
+Tensor names, types and shapes come from `contract.INPUTS` / `contract.OUTPUTS` (the ensemble,
+the talker's inputs) and `seam.TENSORS` (between the stages); the model parameters and their
+defaults are the tables below. The committed `model_repository/*/config.pbtxt` are this
+module's output with the defaults (a test checks it). A deployment writes its own:
+
+    python -m personaplex_triton.model_configs                  # rewrite model_repository/*/config.pbtxt
+    python -m personaplex_triton.model_configs --check          # exit 1 where they differ from the contract
+    python -m personaplex_triton.model_configs --out /srv/models --gpus all \
+        --set talker.max_conversations=64 --set code2wav.max_conversations=72
+
+`--gpus all` puts one talker and one code2wav instance on every GPU Triton sees (`--gpus 0,2`:
+on those); `--cpu-instances N` runs N of each on the CPU. Triton's sequence batcher gives each
+conversation to one instance of each stage and keeps it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import contract, seam
+
+MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+MODELS = ("talker", "code2wav", "ensemble")
+PBTXT_TYPES = {"FP32": "TYPE_FP32", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64",
+               "BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
+# A sequence that sends nothing for this long loses its place in the sequence batcher.
+SEQUENCE_IDLE_US = 60_000_000
+MAX_CANDIDATE_SEQUENCES = 64
+
+
+@dataclass(frozen=True)
+class Parameter:
+    key: str
+    value: str
+    why: str = ""  # written as a comment above the parameter
+
+
+MIMI_RUNTIME = Parameter("mimi_runtime", "auto",
+                         "Where Mimi runs: auto (TensorRT engine, else ONNX Runtime on the CPU, else PyTorch; the\n"
+                         "server log says which), or forced: tensorrt, onnxruntime, torch.")
+CHECKPOINT = Parameter("checkpoint", "", '"" serves $PERSONAPLEX_CHECKPOINT, else the generated checkpoints/tiny '
+                                         "of this repository.")
+DEVICE = Parameter("device", "auto", "auto: the instance's GPU where there is one, else the CPU.")
+
+PARAMETERS = {
+    "talker": (
+        Parameter("max_conversations", "auto", "Conversation slots of one instance: a number, or auto: 4 on a "
+                                               "CPU; on a GPU as many as fit in free memory at the full "
+                                               "3000-frame context (the server log says how many and why)."),
+        CHECKPOINT, DEVICE,
+        Parameter("dtype", "auto", "The LM's dtype: auto (bfloat16 on a GPU, as published; float32 on a CPU), "
+                                   "float32, bfloat16."),
+        MIMI_RUNTIME,
+        Parameter("idle_timeout_s", "60", "A conversation with nothing pending this long is closed; slots of "
+                                          "conversations silent this long are given to new ones when all are taken."),
+        Parameter("persona_cache_size", "16", "Personas (voice, role prompt) whose prefilled state is kept: "
+                                              "a repeat one starts at once."),
+        Parameter("warm_personas", "all", 'Personas prefilled at load (into the cache): "all" voices of the '
+                                          'checkpoint, or names ("NATF0,NATM0"), each with an empty role '
+                                          'prompt; "" none.'),
+    ),
+    "code2wav": (
+        Parameter("max_conversations", "auto", "More than the talker's: a conversation that ends without FINAL "
+                                               "holds its slot until replaced. auto: 8 on a CPU, 192 on a GPU."),
+        CHECKPOINT, DEVICE, MIMI_RUNTIME,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Instances:
+    """Instances of each stage: `count` on the CPU, or one per GPU (`gpus` None: every GPU)."""
+
+    kind: str = "cpu"
+    count: int = 1
+    gpus: tuple | None = None
+
+    def pbtxt(self) -> str:
+        if self.kind == "cpu":
+            return f"instance_group [ {{ kind: KIND_CPU count: {self.count} }} ]"
+        gpus = "" if self.gpus is None else f" gpus: [ {', '.join(map(str, self.gpus))} ]"
+        return f"instance_group [ {{ kind: KIND_GPU count: 1{gpus} }} ]"
+
+
+def _tensors(section: str, specs, as_input: bool) -> str:
+    lines = []
+    for spec in specs:
+        optional = " optional: true" if as_input and spec.optional else ""
+        dims = ", ".join(map(str, spec.dims))
+        lines.append(f'  {{ name: "{spec.name}" data_type: {PBTXT_TYPES[spec.datatype]} dims: [ {dims} ]{optional} }}')
+    return f"{section} [\n" + ",\n".join(lines) + "\n]"
+
+
+def _parameters(parameters) -> str:
+    # Each entry ends with its parameter line, so joining entries with "," puts it after that line.
+    entries = ["\n".join([f"  # {line}" for line in p.why.splitlines()]
+                         + [f'  {{ key: "{p.key}" value: {{ string_value: "{p.value}" }} }}']) for p in parameters]
+    return "parameters [\n" + ",\n".join(entries) + "\n]"
+
+
+def _sequence_batching() -> str:
+    # `oldest`, not `direct`: direct sends padding requests (correlation id 0) to a Python model.
+    return (f"sequence_batching {{\n  max_sequence_idle_microseconds: {SEQUENCE_IDLE_US}\n"
+            f"  oldest {{ max_candidate_sequences: {MAX_CANDIDATE_SEQUENCES} }}\n}}")
+
+
+def _stage(name: str, header: str, inputs, outputs, instances: Instances, parameters) -> str:
+    return "\n\n".join([
+        header + f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\nmodel_transaction_policy {{ decoupled: true }}',
+        _sequence_batching(),
+        _tensors("input", inputs, True) + "\n" + _tensors("output", outputs, False),
+        instances.pbtxt(),
+        _parameters(parameters),
+    ]) + "\n"
+
+
+def talker_config(instances: Instances = Instances(), parameters=PARAMETERS["talker"]) -> str:
+    header = ("# Stage 0: PersonaPlex's temporal transformer + depformer, with the Mimi encoder for the\n"
+              "# user's audio. One engine per instance batches every live conversation per step.\n")
+    return _stage("talker", header, contract.INPUTS, seam.TENSORS, instances, parameters)
+
+
+def code2wav_config(instances: Instances = Instances(), parameters=PARAMETERS["code2wav"]) -> str:
+    header = ("# Stage 1: the streaming Mimi decoder, decoder state kept per conversation (CONVERSATION_ID;\n"
+              "# FRAME_INDEX 0 resets it, FINAL frees it), batched across conversations per tick. Under the\n"
+              "# sequence batcher so that, with several instances, a conversation stays on one.\n")
+    return _stage("code2wav", header, seam.TENSORS, contract.OUTPUTS, instances, parameters)
+
+
+def ensemble_config() -> str:
+    def maps(kind: str, pairs) -> list[str]:
+        return [f'      {kind} {{ key: "{key}" value: "{value}" }}' for key, value in pairs]
+
+    seam_names = [(spec.name, spec.name.lower()) for spec in seam.TENSORS]
+    steps = [
+        ["      model_name: \"talker\"", "      model_version: -1",
+         *maps("input_map", [(s.name, s.name) for s in contract.INPUTS]), *maps("output_map", seam_names)],
+        ["      model_name: \"code2wav\"", "      model_version: -1",
+         *maps("input_map", seam_names), *maps("output_map", [(s.name, s.name) for s in contract.OUTPUTS])],
+    ]
+    body = ",\n".join("    {\n" + "\n".join(step) + "\n    }" for step in steps)
+    return ("# The served model: user audio frames in, agent audio + text out, one response per frame.\n"
+            "# A conversation is a sequence (correlation id, start and end flags); the persona inputs\n"
+            "# go on its start request.\n"
+            f'name: "{contract.MODEL_NAME}"\nplatform: "ensemble"\nmax_batch_size: 0\n\n'
+            + _tensors("input", contract.INPUTS, True) + "\n" + _tensors("output", contract.OUTPUTS, False)
+            + "\n\nensemble_scheduling {\n  step [\n" + body + "\n  ]\n}\n")
+
+
+def configs(instances: Instances = Instances(), overrides: dict | None = None) -> dict[str, str]:
+    """model name -> config.pbtxt text; `overrides` maps "model.key" to a parameter value."""
+    overrides = dict(overrides or {})
+    parameters = {}
+    for model, table in PARAMETERS.items():
+        parameters[model] = tuple(replace(p, value=overrides.pop(f"{model}.{p.key}", p.value)) for p in table)
+    if overrides:
+        raise KeyError(f"no such model parameter: {', '.join(sorted(overrides))}")
+    return {"talker": talker_config(instances, parameters["talker"]),
+            "code2wav": code2wav_config(instances, parameters["code2wav"]),
+            "ensemble": ensemble_config()}
+
+
+def write(model_repository: Path, instances: Instances = Instances(), overrides: dict | None = None) -> list[Path]:
+    """Writes each model's config.pbtxt under `model_repository`; elsewhere than this repository's
+    own, with a copy of its model versions (the `1/model.py` adapters)."""
+    paths = []
+    for model, text in configs(instances, overrides).items():
+        folder = model_repository / model
+        if folder.resolve() != (MODEL_REPOSITORY / model).resolve():
+            shutil.copytree(MODEL_REPOSITORY / model, folder, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.pbtxt").write_text(text)
+        paths.append(folder / "config.pbtxt")
+    return paths
+
+
+def stale(model_repository: Path = MODEL_REPOSITORY) -> list[str]:
+    """Models whose config.pbtxt differs from the default output."""
+    return [model for model, text in configs().items()
+            if not (model_repository / model / "config.pbtxt").is_file()
+            or (model_repository / model / "config.pbtxt").read_text() != text]
+
+
+def instances_from_args(gpus: str | None, cpu_instances: int) -> Instances:
+    if gpus is None:
+        return Instances(count=cpu_instances)
+    return Instances(kind="gpu", gpus=None if gpus == "all" else tuple(int(g) for g in gpus.split(",")))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=MODEL_REPOSITORY, help="model repository to write into")
+    parser.add_argument("--check", action="store_true", help="compare model_repository with the output; write nothing")
+    parser.add_argument("--gpus", help='"all", or GPU indices "0,1": one instance of each stage per GPU')
+    parser.add_argument("--cpu-instances", type=int, default=1, help="instances of each stage on the CPU")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                        help="a model parameter, e.g. talker.max_conversations=64")
+    args = parser.parse_args(argv)
+    if args.check:
+        differ = stale(args.out)
+        for model in differ:
+            print(f"{args.out / model / 'config.pbtxt'} differs from the contract: "
+                  "run python -m personaplex_triton.model_configs", file=sys.stderr)
+        return 1 if differ else 0
+    overrides = dict(item.split("=", 1) for item in args.set)
+    for path in write(args.out, instances_from_args(args.gpus, args.cpu_instances), overrides):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The model configurations are made from the wire contract, and the committed ones are that output."""
+
+import dataclasses
+
+import pytest
+
+from personaplex_triton import contract, model_configs
+from personaplex_triton.launch import MODEL_REPOSITORY
+
+
+def test_committed_configs_are_the_generated_ones():
+    assert model_configs.stale(MODEL_REPOSITORY) == [], \
+        "model_repository differs from the contract: run python -m personaplex_triton.model_configs"
+    assert model_configs.main(["--check"]) == 0
+
+
+def test_check_finds_a_hand_edit(tmp_path):
+    model_configs.write(tmp_path)
+    assert model_configs.stale(tmp_path) == []
+    talker = tmp_path / "talker" / "config.pbtxt"
+    talker.write_text(talker.read_text().replace("dims: [ 8 ]", "dims: [ 16 ]"))
+    assert model_configs.stale(tmp_path) == ["talker"]
+    assert model_configs.main(["--check", "--out", str(tmp_path)]) == 1
+
+
+def test_every_contract_tensor_is_in_the_configs_with_its_type():
+    configs = model_configs.configs()
+    for spec in contract.INPUTS:
+        line = f'{{ name: "{spec.name}" data_type: {model_configs.PBTXT_TYPES[spec.datatype]} dims: [ {", ".join(map(str, spec.dims))} ]'
+        assert line in configs["ensemble"] and line in configs["talker"]
+    assert 'name: "AUDIO_OUT" data_type: TYPE_FP32 dims: [ 1920 ]' in configs["code2wav"]
+    assert 'input_map { key: "AGENT_CODES" value: "agent_codes" }' in configs["ensemble"]
+
+
+def test_an_optional_input_is_a_one_line_change(monkeypatch):
+    audio_in = dataclasses.replace(contract.INPUTS[0], optional=True)
+    monkeypatch.setattr(contract, "INPUTS", (audio_in, *contract.INPUTS[1:]))
+    configs = model_configs.configs()
+    for model in ("talker", "ensemble"):
+        assert '{ name: "AUDIO_IN" data_type: TYPE_FP32 dims: [ -1 ] optional: true }' in configs[model]
+
+
+def test_instances_per_gpu_or_on_the_cpu():
+    every_gpu = model_configs.configs(model_configs.instances_from_args("all", 1))
+    some_gpus = model_configs.configs(model_configs.instances_from_args("0,2", 1))
+    cpu = model_configs.configs(model_configs.instances_from_args(None, 2))
+    for model in ("talker", "code2wav"):
+        assert "instance_group [ { kind: KIND_GPU count: 1 } ]" in every_gpu[model]
+        assert "instance_group [ { kind: KIND_GPU count: 1 gpus: [ 0, 2 ] } ]" in some_gpus[model]
+        assert "instance_group [ { kind: KIND_CPU count: 2 } ]" in cpu[model]
+        # each stage keeps a conversation on one instance
+        assert "sequence_batching {" in cpu[model]
+    assert "instance_group" not in cpu["ensemble"]
+
+
+def test_parameter_overrides():
+    configs = model_configs.configs(overrides={"talker.max_conversations": "64"})
+    assert '{ key: "max_conversations" value: { string_value: "64" } }' in configs["talker"]
+    assert '{ key: "max_conversations" value: { string_value: "auto" } }' in configs["code2wav"]
+    with pytest.raises(KeyError, match="talker.nonsense"):
+        model_configs.configs(overrides={"talker.nonsense": "1"})
+
+
+def test_write_elsewhere_copies_the_adapters(tmp_path):
+    model_configs.main(["--out", str(tmp_path), "--gpus", "all", "--set", "code2wav.device=cuda"])
+    assert (tmp_path / "talker" / "1" / "model.py").read_text() == (MODEL_REPOSITORY / "talker" / "1" / "model.py").read_text()
+    assert "KIND_GPU" in (tmp_path / "code2wav" / "config.pbtxt").read_text()
+    assert '{ key: "device" value: { string_value: "cuda" } }' in (tmp_path / "code2wav" / "config.pbtxt").read_text()

@@ -102,6 +102,7 @@ class SlotEngine:
         self._admitting = True
         self._last_cancel_poll = self._last_beat = 0.0
         self._occupancy: tuple[int, int] | None = None
+        self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 

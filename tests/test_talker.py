@@ -193,3 +193,58 @@ def test_cached_persona_starts_at_once_with_the_same_output(talker, wav_voice, u
         assert setup(wav_voice, talker.tokenizer, prompt).persona.key not in talker.persona_cache
     finally:
         talker.persona_cache = PersonaCache(0)
+
+
+def prefill_step_by_step(talker, slot, persona):
+    """The reference prefill (the talker's path before batched prefill): one full model step per
+    prefill step, depformer and sampling included, every stream forced."""
+    talker.mimi.reset([slot])
+    for step in prefill_program(persona, talker.lm.initial_token_id):
+        agent = step.agent if step.pcm is None else talker.mimi.encode({slot: step.pcm})[slot]
+        rows = slot + 1  # a batch bucket as long as slot + 1 is one (slots 0, 1 and 3 here)
+        active = torch.zeros(rows, dtype=torch.bool)
+        active[slot] = step.runs_model
+        user, agent_codes = torch.zeros(rows, 8, dtype=torch.long), torch.zeros(rows, 8, dtype=torch.long)
+        user[slot], agent_codes[slot] = torch.tensor(step.user), torch.as_tensor(agent)
+        text = torch.zeros(rows, dtype=torch.long)
+        text[slot] = step.text
+        forced = torch.ones(rows, dtype=torch.bool)
+        embeddings = embed_rows = None
+        if step.embedding is not None:
+            embeddings = torch.zeros(rows, 1, talker.lm.dim)
+            embeddings[slot] = step.embedding
+            embed_rows = active.clone()
+        talker.generator.step(StepInputs(active, user, agent_codes, forced, text, forced, embeddings, embed_rows))
+        if step.restore_cache is not None:
+            talker.generator.restore_cache(slot, step.restore_cache)
+    talker.mimi.reset([slot])
+
+
+@pytest.mark.parametrize("voice_kind", ["wav", "bundle"])
+def test_batched_prefill_equals_step_by_step(talker, wav_voice, user_frames, voice_kind):
+    """Batched prefill (one chunked transformer pass, no depformer) leaves the slot as the
+    step-by-step prefill does (fp32), so the conversation's tokens are the same."""
+    voice = wav_voice
+    if voice_kind == "bundle":
+        bundle = make_voice_bundle(talker, wav_voice)
+        voice = VoicePrompt("b", embeddings=bundle["embeddings"], cache=bundle["cache"][0])
+    persona = setup(voice, talker.tokenizer, "You are a wise and friendly teacher.", seed=5).persona
+    talker.start(0, setup(voice, talker.tokenizer, "You are a wise and friendly teacher.", seed=5))
+    batched = talker.generator.snapshot(0)
+    talker.generator.start(1, SamplingParams(seed=5))
+    prefill_step_by_step(talker, 1, persona)
+    stepped = talker.generator.snapshot(1)
+    assert torch.equal(batched["cache"], stepped["cache"]) and torch.equal(batched["offset"], stepped["offset"])
+    assert torch.equal(batched["provided"], stepped["provided"])
+    for a, b in zip(batched["modules"], stepped["modules"], strict=True):
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
+    # the same conversation after either prefill
+    answers = {0: [], 1: []}
+    for frame in user_frames:
+        out = talker.tick({0: frame, 1: frame})
+        for s in answers:
+            answers[s].append((out[s].text_token, tuple(int(c) for c in out[s].codes)))
+    assert answers[0] == answers[1]
+    talker.stop(0)
+    talker.stop(1)

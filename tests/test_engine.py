@@ -362,7 +362,7 @@ def test_shutdown_answers_every_pending_request():
     started = time.monotonic()
     engine.shutdown(drain_s=0.5)
     assert c.errors == ["the server is shutting down"]
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # the drain's bound, with room for a busy machine
     with pytest.raises(ConversationError, match="shutting down"):
         engine.open(2, None)
 

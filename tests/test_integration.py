@@ -187,8 +187,10 @@ def test_realtime_pacing(server):
     assert result.frames_received == frames
     # one frame per 80 ms on an absolute schedule, although this server answers slower
     drift = np.array(result.send_offsets_s) - 0.080 * np.arange(frames)
-    assert np.median(np.abs(drift)) < 0.02  # a busy 2-core machine may delay a single send,
-    assert abs(drift[-1]) < 0.04            # but lateness never accumulates
+    # A 2-core machine shared with other work delays sends (83 ms seen), but lateness never
+    # accumulates: paced by the server's answers instead, the 10th send would be about 0.8 s late.
+    assert np.median(np.abs(drift)) < 0.05
+    assert abs(drift[-1]) < 0.25
 
 
 def test_each_stage_logs_the_mimi_runtime_it_runs(server):

@@ -164,7 +164,7 @@ def test_user_audio_changes_output(talker, wav_voice, user_frames):
 
 
 @pytest.mark.parametrize("params, message", [
-    (dict(temperature=0.0), "TEMPERATURE must lie in"),
+    (dict(temperature=0.0), r"TEMPERATURE must lie in \(0, 10\]"),
     (dict(top_k=0), r"TOP_K must lie in \[1, 500\], got 0"),
     (dict(top_k=5000), r"TOP_K must lie in \[1, 500\], got 5000"),
 ])

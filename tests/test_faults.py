@@ -228,7 +228,7 @@ def test_sigterm_leaves_no_request_in_silence_and_exits(tiny_checkpoint, tmp_pat
         client.start_stream(callback)
         frames = 40
         client.async_stream_infer(contract.MODEL_NAME, [tensor(contract.AUDIO_IN, np.zeros(frames * 1920, np.float32))],
-                                  sequence_id=2, sequence_start=True, sequence_end=True,
+                                  sequence_id=2, sequence_start=True,  # an end request carries <= 1 frame
                                   enable_empty_final_response=True)
         assert wait_for(lambda: received, 120)
         signalled = time.monotonic()

@@ -93,7 +93,9 @@ install() {
     local site
     site=$(site_packages)
     xz -dc "$BUNDLE/$part.tar.xz" | tar -C "$site" -xf -
-    if [ -d "$site/bin" ]; then mv -f "$site"/bin/* "$VENV/bin/" && rmdir "$site/bin"; fi
+    if [ -d "$site/bin" ]; then  # perf_analyzer, beside the venv's python
+        find "$site/bin" -mindepth 1 -maxdepth 1 -exec mv -f {} "$VENV/bin/" \; && rmdir "$site/bin"
+    fi
     if [ -d "$site/nvidia_pytriton.libs" ]; then
         # perf_analyzer (tritonclient's wheel) links these two by their plain names; pytriton has both.
         mkdir -p "$HOST/lib"

@@ -3,12 +3,14 @@ weights) and a full-size Mimi, for several numbers of live conversations. The ta
 step and both Mimi steps (PyTorch runtime) run under CUDA graphs (`--no-cuda-graphs`: eager,
 the baseline).
 
-    python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 32 64 --out bench/results
+    python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 16 32 64 --fill 400 3000 --out bench/results
     python bench/gpu_step.py --from-json bench/results/gpu_step.json   (table and plot again)
 
-Writes gpu_step.{json,md,png} (gpu_step_eager.* with --no-cuda-graphs) under --out. A tick = Mimi-encode every slot's user
-frame, one temporal-transformer step, the 16-codebook depformer, sampling, results on the
-host (Talker.tick); code2wav = one batched streaming Mimi decode (Code2Wav.tick).
+Writes gpu_step.{json,md,png} (gpu_step_eager.* with --no-cuda-graphs) under --out. A tick =
+Mimi-encode every slot's user frame, one temporal-transformer step, the 16-codebook depformer,
+sampling, results on the host (Talker.tick); code2wav = one batched streaming Mimi decode
+(Code2Wav.tick). Both attentions (ring_attention.py and moshi's) at each context fill, and
+their greedy token agreement.
 """
 
 import argparse
@@ -22,6 +24,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def age(talker, frames: int) -> None:
+    """Put every slot `frames` frames into its conversation, as far as the step's cost goes: the
+    KV cache counts that many entries written (their values stay what they are) and RoPE that
+    many positions."""
+    for state in talker.generator._transformer_states():
+        if getattr(state, "kv_cache", None) is not None:
+            state.kv_cache.end_offset[:] = frames
+            state.offset[:] = frames
 
 
 def timed(fn, steps):
@@ -55,6 +67,12 @@ def main():
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager model and Mimi steps")
+    parser.add_argument("--attention", nargs="+", choices=["ring", "moshi"], default=["ring", "moshi"],
+                        help="the step's attention: ring_attention.py, or moshi's (the reference)")
+    parser.add_argument("--fill", type=int, nargs="+", default=[3000],
+                        help="frames each conversation is into (its KV cache holds min(fill, 3000))")
+    parser.add_argument("--agreement-frames", type=int, default=200,
+                        help="greedy frames compared between the two attentions (0: none)")
     args = parser.parse_args()
     if args.from_json:
         report = json.loads(args.from_json.read_text())
@@ -74,47 +92,89 @@ def main():
     rng = np.random.default_rng(0)
     voice = VoicePrompt("noise", frames=(0.1 * rng.standard_normal((2, 1920))).astype(np.float32))
 
-    rows = []
-    for slots in args.slots:
-        torch.cuda.reset_peak_memory_stats()
-        graphs = not args.no_cuda_graphs
-        talker = Talker(lm, TorchStepRunner("encoder", mimi, cuda_graphs=graphs), tokenizer, slots,
-                        persona_cache_size=1, cuda_graphs=graphs)
-        for s in range(slots):  # the first prefills the persona, the others start from the cache
+    graphs = not args.no_cuda_graphs
+    pool = max(args.slots)
+    frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(pool)}
+    speech = [(0.1 * rng.standard_normal(1920)).astype(np.float32) for _ in range(args.agreement_frames)]
+    rows, greedy_runs = [], {}
+    for attention in args.attention:
+        talker = Talker(lm, TorchStepRunner("encoder", mimi, cuda_graphs=graphs), tokenizer, pool,
+                        persona_cache_size=1, cuda_graphs=graphs, ring_attention=attention == "ring")
+        if attention == "ring" and not talker.generator.ring_attention:
+            raise SystemExit("ring attention is not available here (it needs CUDA and OpenAI Triton)")
+        for s in range(pool):  # the first prefills the persona, the others start from the cache
             talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
-        frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(slots)}
-        talker_ms = timed(lambda: talker.tick(frames), args.steps)
+        for fill in args.fill:
+            age(talker, fill)
+            for slots in args.slots:  # the first `slots` slots tick: the step runs on their bucket
+                batch = {s: frames[s] for s in range(slots)}
+                torch.cuda.reset_peak_memory_stats()
+                rows.append({"attention": attention, "context_frames": fill, "slots": slots,
+                             "talker_tick_ms": timed(lambda: talker.tick(batch), args.steps),
+                             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
+                print(rows[-1], flush=True)
+        if args.agreement_frames:  # greedy, from the persona, one conversation
+            talker.start(0, TalkerSetup(Persona(voice, ()), SamplingParams(greedy=True)))
+            steps = [talker.tick({0: pcm}).get(0) for pcm in speech]
+            greedy_runs[attention] = [(st.text_token, *st.agent_codes.tolist()) for st in steps if st is not None]
         talker.close()
+        del talker
+        gc.collect()  # the CUDA graphs' memory pools go with the last reference
+        torch.cuda.empty_cache()
+    code2wav = []
+    for slots in args.slots:
         decoder = Code2Wav(TorchStepRunner("decoder", mimi, cuda_graphs=graphs), slots)
         codes = {s: rng.integers(0, 2048, 8) for s in range(slots)}
         for s in range(slots):
             decoder.start(s)
-        code2wav_ms = timed(lambda: decoder.tick(codes), args.steps)
-        rows.append({"slots": slots, "talker_tick_ms": talker_ms, "code2wav_tick_ms": code2wav_ms,
-                     "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
-        print(rows[-1], flush=True)
-        del talker, decoder
-        gc.collect()  # the CUDA graphs' memory pools go with the last reference
-        torch.cuda.empty_cache()
+        code2wav.append({"slots": slots, "code2wav_tick_ms": timed(lambda: decoder.tick(codes), args.steps)})
+        del decoder
+    agreement = None
+    if len(greedy_runs) == 2:
+        ring, moshi = greedy_runs["ring"], greedy_runs["moshi"]
+        same = [a == b for a, b in zip(ring, moshi)]
+        tokens = sum(x == y for a, b in zip(ring, moshi) for x, y in zip(a, b))
+        agreement = {"frames": len(same), "frames_equal": sum(same),
+                     "tokens_equal_pct": round(100 * tokens / max(1, 9 * len(same)), 2),
+                     "first_difference": same.index(False) if False in same else None}
+        print("greedy agreement, ring vs moshi attention:", agreement, flush=True)
 
     report = {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(),
               "lm_parameters": params, "dtype": "bfloat16", "cuda_graphs": not args.no_cuda_graphs,
-              "build_s": round(build_s, 1), "steps": args.steps, "rows": rows}
+              "build_s": round(build_s, 1), "steps": args.steps, "rows": rows, "code2wav": code2wav,
+              "agreement": agreement}
     write_report(report, args.out, "gpu_step" if report["cuda_graphs"] else "gpu_step_eager")
 
 
 def write_report(report, out: Path, name: str) -> None:
     rows, steps = report["rows"], report["steps"]
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     mode = "CUDA graphs" if report["cuda_graphs"] else "eager"
+    tick = {(r["attention"], r["context_frames"], r["slots"]): r for r in rows}
+    attentions = sorted({r["attention"] for r in rows}, reverse=True)  # ring first
     lines = [f"# GPU tick times ({report['date']}, {report['gpu']}, torch {report['torch']}, {mode})", "",
              f"PersonaPlex 7B architecture, {report['lm_parameters'] / 1e9:.2f} B parameters, random bf16 "
-             f"weights; median of {steps} ticks. Command: `python bench/gpu_step.py --tokenizer ...`.", "",
-             "| live conversations | talker tick (ms) | code2wav tick (ms) | peak GPU memory (GiB) |",
-             "| ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['slots']} | {r['talker_tick_ms']} | {r['code2wav_tick_ms']} | {r['peak_gib']} |" for r in rows]
+             f"weights; median of {steps} ticks (Talker.tick: Mimi encode, step, results on the host). "
+             "Each conversation is `context frames` into its conversation (its KV cache holds "
+             "min(that, 3000) entries). Command: `python bench/gpu_step.py --tokenizer ... --fill ...`.", "",
+             "| context frames | live conversations | " + " | ".join(f"talker tick, {a} attention (ms)" for a in attentions)
+             + (" | moshi / ring" if len(attentions) == 2 else "") + " | peak GPU memory (GiB) |",
+             "| ---: | ---: | " + " | ".join("---:" for _ in attentions) + (" | ---:" if len(attentions) == 2 else "")
+             + " | ---: |"]
+    for fill, slots in sorted({(r["context_frames"], r["slots"]) for r in rows}):
+        ms = [tick[(a, fill, slots)]["talker_tick_ms"] for a in attentions]
+        ratio = [f"{ms[1] / ms[0]:.2f}"] if len(ms) == 2 else []
+        peak = max(tick[(a, fill, slots)]["peak_gib"] for a in attentions)
+        lines.append(f"| {fill} | {slots} | " + " | ".join(map(str, ms + ratio)) + f" | {peak} |")
+    lines += ["", "| live conversations | code2wav tick (ms) |", "| ---: | ---: |"]
+    lines += [f"| {r['slots']} | {r['code2wav_tick_ms']} |" for r in report["code2wav"]]
+    if report.get("agreement"):
+        a = report["agreement"]
+        lines += ["", f"Greedy, one conversation, {a['frames']} frames: ring vs moshi attention give the same "
+                  f"frame (text + 8 codes) {a['frames_equal']} times, {a['tokens_equal_pct']}% of tokens equal; "
+                  f"first difference at frame {a['first_difference']}."]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -122,14 +182,19 @@ def write_report(report, out: Path, name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    slots = [r["slots"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(slots, [r["talker_tick_ms"] for r in rows], "o-", label="talker tick")
-    ax.plot(slots, [r["code2wav_tick_ms"] for r in rows], "s-", label="code2wav tick")
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for attention in attentions:
+        for fill in sorted({r["context_frames"] for r in rows}):
+            mine = [r for r in rows if r["attention"] == attention and r["context_frames"] == fill]
+            ax.plot([r["slots"] for r in mine], [r["talker_tick_ms"] for r in mine],
+                    "o-" if attention == "ring" else "s--", label=f"talker, {attention} attention, {fill} frames in")
+    ax.plot([r["slots"] for r in report["code2wav"]], [r["code2wav_tick_ms"] for r in report["code2wav"]],
+            "^:", label="code2wav")
+    slots = sorted({r["slots"] for r in rows})
     ax.axhline(80, color="grey", lw=0.8, label="real time (80 ms)")
     ax.set(xscale="log", xticks=slots, xticklabels=slots, xlabel="live conversations", ylabel="ms per tick")
-    ax.legend()
-    ax.set_title(f"{report['gpu']}, talker {mode}, {report['date']}", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{report['gpu']}, {mode}, {report['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=110)
 

@@ -1,11 +1,12 @@
 """On a CUDA GPU: the CUDA-graphed step gives exactly the eager step's tokens, a
-conversation's tokens do not depend on the others in the batch there either, and the PyTorch
-Mimi steps (graphed and eager) match moshi's streaming Mimi."""
+conversation's tokens do not depend on the others in the batch there either, the ring attention
+gives moshi's attention's tokens, and the PyTorch Mimi steps (graphed and eager) match moshi's
+streaming Mimi."""
 
 import pytest
 import torch
 
-from personaplex_triton import loaders
+from personaplex_triton import loaders, ring_attention
 from personaplex_triton.generation import SlotGenerator, StepInputs
 from personaplex_triton.sampling import SamplingParams
 
@@ -14,14 +15,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA G
 SLOTS = 4
 
 
-@pytest.fixture(scope="module")
-def lm():
+def moshi_lm(dtype, **size):
     from moshi.models import loaders as moshi_loaders
 
+    kwargs = {**loaders.PERSONAPLEX_LM_KWARGS, **loaders.TINY_LM_SIZE, **size}
+    return moshi_loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cuda", dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def lm():
     torch.manual_seed(0)
-    model = moshi_loaders.get_moshi_lm(None, lm_kwargs={**loaders.PERSONAPLEX_LM_KWARGS, **loaders.TINY_LM_SIZE},
-                                       device="cuda", dtype=torch.bfloat16)
-    return model.eval()
+    return moshi_lm(torch.bfloat16)
 
 
 def run(lm, cuda_graphs, live, steps=24):
@@ -54,6 +58,56 @@ def test_cuda_graphs_match_eager(lm):
 
 def test_alone_equals_batched_on_gpu(lm):
     assert run(lm, cuda_graphs=True, live=[]) == run(lm, cuda_graphs=True, live=[1, 2, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_attention_kernel_matches_softmax_attention(dtype):
+    """Rows with no entry, part of the ring and all of it (3000 entries, 12 splits)."""
+    torch.manual_seed(0)
+    B, H, C, D = 4, 8, 3000, 128
+    cache = torch.randn(2, B, H, C, D, device="cuda", dtype=dtype)
+    q = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
+    lengths = torch.tensor([0, 1, 700, C], device="cuda")
+    out = ring_attention.attend(q, cache[0], cache[1], lengths)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.count_nonzero(out[0]) == 0
+    for b in range(1, B):
+        n = int(lengths[b])
+        k, v = cache[0, b, :, :n].float(), cache[1, b, :, :n].float()
+        expected = torch.softmax(q[b].float() @ k.transpose(-1, -2) / D ** 0.5, dim=-1) @ v
+        torch.testing.assert_close(out[b].float(), expected, **({} if dtype == torch.float32 else
+                                                                 {"atol": 2e-2, "rtol": 2e-2}))
+
+
+def test_ring_attention_gives_moshis_tokens():
+    """Greedy, fp32, CUDA graphs, a 40-frame context so the ring wraps, slots idling and joining:
+    the same tokens as moshi's attention (the reference)."""
+    def greedy_tokens(ring: bool):
+        torch.manual_seed(0)
+        lm = moshi_lm(torch.float32, context=40)
+        gen = SlotGenerator(lm, SLOTS, cuda_graphs=True, ring=ring)
+        assert gen.ring_attention == ring
+        try:
+            for slot in (0, 1, 3):
+                gen.start(slot, SamplingParams(greedy=True))
+            rng = torch.Generator().manual_seed(1)
+            out = []
+            for i in range(90):
+                active = torch.tensor([True, True, i % 3 != 0, i > 10])
+                none = torch.zeros(SLOTS, dtype=torch.bool)
+                inputs = StepInputs(active, torch.randint(0, 2048, (SLOTS, 8), generator=rng),
+                                    torch.zeros(SLOTS, 8, dtype=torch.long), none,
+                                    torch.zeros(SLOTS, dtype=torch.long), none)
+                tokens, has_output, _ = gen.step(StepInputs(*(t.cuda() for t in vars(inputs).values()
+                                                              if t is not None)))
+                out.append(tokens[has_output].cpu().tolist())
+            return out
+        finally:
+            gen.close()
+
+    ring, moshi = greedy_tokens(True), greedy_tokens(False)
+    assert sum(map(len, ring)) > 200
+    assert ring == moshi
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])

@@ -4,7 +4,8 @@ Both stages run on it: a stage owns per-slot model state and answers `tick(items
 batched step; the engine maps conversations to slots, queues each request's items and, each
 tick, hands every slot at most one item (slots still prefilling tick without one). Requests
 only queue work (`execute()` returns at once); answers go back through each request's
-callbacks, from the engine's thread, in order.
+callbacks, in order, from the engine's outbox thread (outbox.py): the next tick need not wait
+for the sends.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations
@@ -24,6 +25,7 @@ from typing import Any, Callable, Protocol
 from . import metrics as reasons
 from .faults import FaultPlan, SlotFault
 from .metrics import Metrics
+from .outbox import Outbox
 from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,18 @@ class _Request:
     is_cancelled: Callable[[], bool] | None = None
     received: float = field(default_factory=time.monotonic)
     answered: int = 0
+
+
+@dataclass
+class _Answer:
+    """A stage's output for one item, waiting in the outbox."""
+    conversation: "_Conversation"
+    request: _Request
+    output: Any
+    index: int          # the item's index in its conversation
+    queued: float       # for the frame trace: when the item was queued, the tick that took it
+    tick_span: tuple
+    rows: int
 
 
 @dataclass
@@ -103,6 +117,7 @@ class SlotEngine:
         self._last_cancel_poll = self._last_beat = 0.0
         self._occupancy: tuple[int, int] | None = None
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
+        self._outbox = Outbox(name, self._deliver)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -250,6 +265,8 @@ class SlotEngine:
             log.exception("%s: the engine loop failed", self.name)
             self._stop_all(f"internal error: the {self.name} engine stopped ({type(exc).__name__}: {exc})",
                            reasons.UNAVAILABLE)
+        finally:
+            self._outbox.close()
 
     def _pass(self) -> bool:
         """One pass of the loop: free, start, tick; False once shut down."""
@@ -367,29 +384,41 @@ class SlotEngine:
         outputs = self._step(batch)
         if outputs is None:
             return
+        answers = []
         for slot, (conv, request, _, queued) in batch.items():
             if conv.slot != slot:  # ended while stepping
                 continue
             if slot not in outputs:
                 self._fail(conv, "internal error: the stage produced no output for a frame", reasons.INTERNAL)
                 continue
+            answers.append(_Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
+            conv.answered += 1
+        self._outbox.put(answers)
+
+    def _deliver(self, answers: list[_Answer]) -> None:
+        """On the outbox's thread: send a tick's answers, and complete the requests they finish."""
+        for answer in answers:
+            conv, request = answer.conversation, answer.request
+            with self._cond:
+                if request not in conv.requests:  # the conversation ended since its tick
+                    continue
             try:
                 if self.faults is not None:
                     self.faults.before_send(conv.key)
-                request.on_output(outputs[slot], conv.answered)
+                request.on_output(answer.output, answer.index)
             except Exception as exc:  # the client is gone, or the response could not be made
                 log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
                 self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
                 continue
             self.metrics.frame_answered(time.monotonic() - request.received)
             if self.trace.enabled:
-                self.trace.frame(conv.key, conv.answered, queued, *self.tick_span, len(batch), time.time())
-            conv.answered += 1
+                self.trace.frame(conv.key, answer.index, answer.queued, *answer.tick_span, answer.rows, time.time())
             request.answered += 1
             if request.answered == len(request.items):
                 with self._cond:
                     conv.requests.remove(request)
                     conv.last_active = time.monotonic()  # idle from its last answer on
+                    self._cond.notify()  # a closing conversation may now free its slot
                 if not self._answer(request.on_done, None):
                     self._fail(conv, "could not complete a response", reasons.INTERNAL)
         self.trace.flush()

@@ -16,7 +16,8 @@ A step runs on the first `b` slots only, `b` a batch bucket (1, 2, 4, ... up to 
 streaming state of every module is viewed as its first `b` rows, so a tick of 3 conversations
 in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there is one graph per
 (batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
-client sends makes the server capture another.
+client sends makes the server capture another. On CUDA, a one-frame step's attention reads only
+the KV entries each slot has written (ring_attention.py); moshi's attention is the reference.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from moshi.utils.compile import CUDAGraphed
 
-from . import loaders
+from . import loaders, ring_attention
 from .sampling import SamplingParams, SlotSampling, sample
 
 NUM_AUDIO = 8  # codebooks per audio stream
@@ -90,7 +91,8 @@ def _rows_view(state, num_slots: int, rows: slice):
 class SlotGenerator:
     """The token grids of `num_slots` conversations over one streaming `LMModel`."""
 
-    def __init__(self, lm, num_slots: int, cuda_graphs: bool = True):
+    def __init__(self, lm, num_slots: int, cuda_graphs: bool = True, ring: bool = True):
+        """`ring`: on CUDA, steps attend with ring_attention.attend (else moshi's attention)."""
         self.lm = lm
         self.num_slots = num_slots
         device = lm.device
@@ -109,6 +111,11 @@ class SlotGenerator:
         self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
         self.buckets = batch_buckets(num_slots)
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.ring_attention = ring and ring_attention.available(device)
+        if self.ring_attention:
+            ring_attention.install(lm.transformer)
+        else:
+            ring_attention.uninstall(lm.transformer)
         self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()

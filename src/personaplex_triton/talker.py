@@ -116,12 +116,12 @@ class PersonaCache:
 
 class Talker:
     def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, ring_attention: bool = True):
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
         self.device = lm.device
-        self.generator = SlotGenerator(lm, num_slots, cuda_graphs)
+        self.generator = SlotGenerator(lm, num_slots, cuda_graphs, ring_attention)
         self.graphs = self.generator.capture_graphs()
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)

@@ -1,0 +1,158 @@
+"""A decode step's attention over moshi's ring KV cache that reads only the filled entries.
+
+moshi's streaming attention hands SDPA the whole ring (the 7B's 3000-frame context) with a mask
+of the entries not yet written, so every step reads every slot's full cache: about 100 GB at 64
+conversations, most of a tick. At one frame a step the query attends to every entry written so
+far (all of them once the ring has wrapped, as the context equals the ring), in any order, since
+RoPE was applied before the keys were stored. So this kernel reads, per conversation, only the
+first `min(end_offset, capacity)` entries, split across the ring (flash-decoding) so that one
+conversation still spreads over the whole GPU. The shapes are fixed, so it runs under the
+step's CUDA graph.
+
+It replaces the forward of the temporal transformer's attention modules for one-frame steps on
+CUDA (`install`); every other call, the CPU and the prefill's chunks keep moshi's path, which
+tests use as the reference.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from einops import rearrange
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install has no Triton: moshi's attention runs there
+    triton = None
+
+SPLIT = 256    # ring entries per program
+BLOCK_N = 64   # entries per load
+
+
+if triton is not None:
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, max_ptr, sum_ptr,
+                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
+                      num_heads, kv_repeat, num_splits, scale,
+                      SPLIT_SIZE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+        row = tl.program_id(0)  # b * num_heads + h
+        split = tl.program_id(1)
+        b = row // num_heads
+        kv_head = (row % num_heads) // kv_repeat
+        length = tl.load(len_ptr + b)
+        start = split * SPLIT_SIZE
+        end = tl.minimum(start + SPLIT_SIZE, length)
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + b * stride_qb + (row % num_heads) * stride_qh + dims).to(tl.float32) * scale
+        base = b * stride_kb + kv_head * stride_kh
+        running_max = tl.zeros([], tl.float32) - float("inf")
+        running_sum = tl.zeros([], tl.float32)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for first in range(start, end, BLOCK):
+            entries = first + tl.arange(0, BLOCK)
+            valid = entries < end
+            offsets = base + entries[:, None] * stride_kn + dims[None, :]
+            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            scores = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+            weights = tl.exp(scores - new_max)
+            rescale = tl.exp(running_max - new_max)
+            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
+            running_sum = running_sum * rescale + tl.sum(weights, axis=0)
+            running_max = new_max
+        out = row * num_splits + split
+        tl.store(acc_ptr + out * HEAD_DIM + dims, acc)
+        tl.store(max_ptr + out, running_max)
+        tl.store(sum_ptr + out, running_sum)
+
+    @triton.jit
+    def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits,
+                      SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Each split holds an unnormalised sum under its own running maximum: rescale them to
+        the largest and normalise. A row with no entries gets zeros."""
+        row = tl.program_id(0)
+        splits = tl.arange(0, SPLITS)
+        dims = tl.arange(0, HEAD_DIM)
+        present = splits < num_splits
+        maxima = tl.load(max_ptr + row * num_splits + splits, mask=present, other=float("-inf"))
+        sums = tl.load(sum_ptr + row * num_splits + splits, mask=present, other=0.0)
+        top = tl.max(maxima, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        scale = tl.exp(maxima - top)
+        acc = tl.load(acc_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=present[:, None], other=0.0)
+        total = tl.maximum(tl.sum(sums * scale, axis=0), 1e-30)
+        out = tl.sum(acc * scale[:, None], axis=0) / total
+        tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q [B, H, 1, D] over entries [0, lengths[b]) of keys and values
+    [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout);
+    returns [B, H, 1, D] in q's dtype. A row with no entries gets zeros."""
+    B, H, _, D = q.shape
+    capacity = keys.shape[2]
+    num_splits = triton.cdiv(capacity, SPLIT)
+    if keys.stride() != values.stride() or keys.stride(3) != 1 or q.stride(3) != 1:
+        raise ValueError("keys and values need one layout with contiguous heads")
+    acc = torch.empty((B * H, num_splits, D), device=q.device, dtype=torch.float32)
+    maxima = torch.empty((B * H, num_splits), device=q.device, dtype=torch.float32)
+    sums = torch.empty_like(maxima)
+    _split_kernel[(B * H, num_splits)](
+        q, keys, values, lengths, acc, maxima, sums,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        H, H // keys.shape[1], num_splits, D ** -0.5,
+        SPLIT_SIZE=SPLIT, BLOCK=BLOCK_N, HEAD_DIM=D)
+    out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
+    _merge_kernel[(B * H,)](acc, maxima, sums, out, num_splits,
+                            SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=D)
+    return out
+
+
+def _decode_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """One frame of a streaming self-attention module: moshi's projections, RoPE and ring-cache
+    write, then `attend` over the filled entries. Anything else goes to moshi's forward."""
+    state = self._streaming_state
+    if state is None or query.shape[1] != 1 or state.kv_cache is None or len(self.in_projs) != 1:
+        return type(self).forward(self, query, key, value)
+    projected = self.in_projs[0](query)
+    heads, kv_heads = self.num_heads, self.num_heads // self.kv_repeat
+    q = rearrange(projected[:, :, :self.embed_dim], "b t (h d) -> b h t d", h=heads)
+    k, v = rearrange(projected[:, :, self.embed_dim:], "b t (p h d) -> p b h t d", p=2, h=kv_heads)
+    if self.rope:
+        q, k = self.rope(q, k, state.offset, time_before_heads=False)
+    cache = state.kv_cache
+    cache.complete(k, v, state.exec_mask)  # writes the frame, moves end_offset of the rows stepped
+    lengths = cache.end_offset.clamp(max=cache.capacity)
+    x = attend(q, cache.cache[0], cache.cache[1], lengths)
+    x = self.out_projs[0](rearrange(x, "b h t d -> b t (h d)"))
+    state.offset[:] = torch.where(state.exec_mask, state.offset + 1, state.offset)
+    state.offset_cpu += 1
+    return x
+
+
+def _self_attentions(transformer):
+    return [layer.self_attn for layer in transformer.layers
+            if not layer.self_attn.cross_attention and not layer.self_attn.weights_per_step]
+
+
+def install(transformer) -> int:
+    """Route the one-frame steps of `transformer`'s self-attention layers through `attend`;
+    returns how many layers. Only where `available`."""
+    layers = _self_attentions(transformer)
+    for attention in layers:
+        attention.forward = types.MethodType(_decode_forward, attention)
+    return len(layers)
+
+
+def uninstall(transformer) -> None:
+    """Back to moshi's attention (the reference)."""
+    for attention in _self_attentions(transformer):
+        attention.__dict__.pop("forward", None)

@@ -116,7 +116,7 @@ def main():
         if args.agreement_frames:  # greedy, from the persona, one conversation
             talker.start(0, TalkerSetup(Persona(voice, ()), SamplingParams(greedy=True)))
             steps = [talker.tick({0: pcm}).get(0) for pcm in speech]
-            greedy_runs[attention] = [(st.text_token, *st.agent_codes.tolist()) for st in steps if st is not None]
+            greedy_runs[attention] = [(st.text_token, *st.codes.tolist()) for st in steps if st is not None]
         talker.close()
         del talker
         gc.collect()  # the CUDA graphs' memory pools go with the last reference

@@ -27,23 +27,25 @@ try:
 except ImportError:  # the CPU install has no Triton: moshi's attention runs there
     triton = None
 
-SPLIT = 256    # ring entries per program
-BLOCK_N = 64   # entries per load
+MIN_SPLIT = 256        # ring entries per program, at least
+TARGET_PROGRAMS = 1024  # enough programs to keep every SM of an H200 (132) reading
+BLOCK_N = 64            # entries per load
+TENSOR_CORES = True     # _split_dot_kernel (else _split_kernel)
 
 
 if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, max_ptr, sum_ptr,
                       stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
-                      num_heads, kv_repeat, num_splits, scale,
-                      SPLIT_SIZE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                      num_heads, kv_repeat, num_splits, split_size, scale,
+                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
         row = tl.program_id(0)  # b * num_heads + h
         split = tl.program_id(1)
         b = row // num_heads
         kv_head = (row % num_heads) // kv_repeat
         length = tl.load(len_ptr + b)
-        start = split * SPLIT_SIZE
-        end = tl.minimum(start + SPLIT_SIZE, length)
+        start = split * split_size
+        end = tl.minimum(start + split_size, length)
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + b * stride_qb + (row % num_heads) * stride_qh + dims).to(tl.float32) * scale
         base = b * stride_kb + kv_head * stride_kh
@@ -67,6 +69,48 @@ if triton is not None:
         tl.store(acc_ptr + out * HEAD_DIM + dims, acc)
         tl.store(max_ptr + out, running_max)
         tl.store(sum_ptr + out, running_sum)
+
+    @triton.jit
+    def _split_dot_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, max_ptr, sum_ptr,
+                          stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
+                          num_heads, kv_repeat, num_splits, split_size, scale,
+                          BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+        """`_split_kernel` on tensor cores: the query repeated to 16 rows (tl.dot's least), so
+        the tiles go through shared memory, pipelined, instead of registers."""
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        b = row // num_heads
+        kv_head = (row % num_heads) // kv_repeat
+        length = tl.load(len_ptr + b)
+        start = split * split_size
+        end = tl.minimum(start + split_size, length)
+        dims = tl.arange(0, HEAD_DIM)
+        copies = tl.arange(0, 16)
+        q = tl.load(q_ptr + b * stride_qb + (row % num_heads) * stride_qh + dims)
+        q = tl.broadcast_to(q[None, :], (16, HEAD_DIM))
+        base = b * stride_kb + kv_head * stride_kh
+        running_max = tl.zeros([16], tl.float32) - float("inf")
+        running_sum = tl.zeros([16], tl.float32)
+        acc = tl.zeros([16, HEAD_DIM], tl.float32)
+        for first in range(start, end, BLOCK):
+            entries = first + tl.arange(0, BLOCK)
+            valid = entries < end
+            offsets = base + entries[:, None] * stride_kn + dims[None, :]
+            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            weights = tl.exp(scores - new_max[:, None])
+            rescale = tl.exp(running_max - new_max)
+            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+            running_max = new_max
+        out = row * num_splits + split
+        first_copy = copies == 0  # the 16 rows are equal: keep the first, exactly
+        tl.store(acc_ptr + out * HEAD_DIM + dims, tl.sum(tl.where(first_copy[:, None], acc, 0.0), axis=0))
+        tl.store(max_ptr + out, tl.max(tl.where(first_copy, running_max, float("-inf")), axis=0))
+        tl.store(sum_ptr + out, tl.sum(tl.where(first_copy, running_sum, 0.0), axis=0))
 
     @triton.jit
     def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits,
@@ -93,26 +137,39 @@ def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def num_splits(rows: int, capacity: int) -> int:
+    """How many programs share one (conversation, head)'s ring: few rows (one conversation has
+    32 heads) need splits to fill the GPU; many rows read best whole, one program each."""
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, rows), triton.cdiv(capacity, MIN_SPLIT)))
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+           splits: int | None = None, block: int = BLOCK_N, warps: int = 4,
+           tensor_cores: bool = TENSOR_CORES) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, lengths[b]) of keys and values
     [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout);
-    returns [B, H, 1, D] in q's dtype. A row with no entries gets zeros."""
+    returns [B, H, 1, D] in q's dtype. A row with no entries gets zeros. `splits`, `block`,
+    `warps`, `tensor_cores`: the launch (default: `num_splits`), for the benchmark."""
     B, H, _, D = q.shape
     capacity = keys.shape[2]
-    num_splits = triton.cdiv(capacity, SPLIT)
+    splits = splits or num_splits(B * H, capacity)
+    split_size = triton.cdiv(capacity, splits)
     if keys.stride() != values.stride() or keys.stride(3) != 1 or q.stride(3) != 1:
         raise ValueError("keys and values need one layout with contiguous heads")
-    acc = torch.empty((B * H, num_splits, D), device=q.device, dtype=torch.float32)
-    maxima = torch.empty((B * H, num_splits), device=q.device, dtype=torch.float32)
+    acc = torch.empty((B * H, splits, D), device=q.device, dtype=torch.float32)
+    maxima = torch.empty((B * H, splits), device=q.device, dtype=torch.float32)
     sums = torch.empty_like(maxima)
-    _split_kernel[(B * H, num_splits)](
-        q, keys, values, lengths, acc, maxima, sums,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        H, H // keys.shape[1], num_splits, D ** -0.5,
-        SPLIT_SIZE=SPLIT, BLOCK=BLOCK_N, HEAD_DIM=D)
+    args = (q, keys, values, lengths, acc, maxima, sums,
+            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+            H, H // keys.shape[1], splits, split_size, D ** -0.5)
+    if tensor_cores:
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        _split_dot_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, num_warps=warps)
+    else:
+        _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, num_warps=warps)
     out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
-    _merge_kernel[(B * H,)](acc, maxima, sums, out, num_splits,
-                            SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=D)
+    _merge_kernel[(B * H,)](acc, maxima, sums, out, splits,
+                            SPLITS=triton.next_power_of_2(splits), HEAD_DIM=D)
     return out
 
 

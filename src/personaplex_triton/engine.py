@@ -62,6 +62,28 @@ class _Request:
     is_cancelled: Callable[[], bool] | None = None
     received: float = field(default_factory=time.monotonic)
     answered: int = 0
+    finished: bool = False
+    # Sends, the final answer and cancellation polls come from different threads; once Triton
+    # has a request's final response it frees the request, so none may follow it.
+    guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, output: Any, index: int) -> bool:
+        """Send one output; False if the request was already finished."""
+        with self.guard:
+            if self.finished:
+                return False
+            self.on_output(output, index)
+            return True
+
+    def finish(self, error: str | None) -> None:
+        with self.guard:
+            if not self.finished:
+                self.finished = True
+                self.on_done(error)
+
+    def cancelled(self) -> bool:
+        with self.guard:
+            return not self.finished and self.is_cancelled is not None and self.is_cancelled()
 
 
 @dataclass
@@ -316,7 +338,7 @@ class SlotEngine:
             pending = [(c, r) for c in self._all for r in c.requests if r.is_cancelled is not None]
         gone = set()
         for conv, request in pending:
-            if conv.key not in gone and request.is_cancelled():
+            if conv.key not in gone and request.cancelled():
                 gone.add(conv.key)
                 log.info("%s: conversation %s was cancelled by its client; freeing its slot", self.name, conv.key)
                 self._fail(conv, "the request was cancelled", reasons.CANCELLED)
@@ -405,7 +427,8 @@ class SlotEngine:
             try:
                 if self.faults is not None:
                     self.faults.before_send(conv.key)
-                request.on_output(answer.output, answer.index)
+                if not request.send(answer.output, answer.index):
+                    continue
             except Exception as exc:  # the client is gone, or the response could not be made
                 log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
                 self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
@@ -419,7 +442,7 @@ class SlotEngine:
                     conv.requests.remove(request)
                     conv.last_active = time.monotonic()  # idle from its last answer on
                     self._cond.notify()  # a closing conversation may now free its slot
-                if not self._answer(request.on_done, None):
+                if not self._answer(request.finish, None):
                     self._fail(conv, "could not complete a response", reasons.INTERNAL)
         self.trace.flush()
 
@@ -434,7 +457,7 @@ class SlotEngine:
     def _fail(self, conv: _Conversation, message: str, reason: str) -> None:
         """End a conversation: every request it still owes answers to gets the error."""
         with self._cond:
-            owed = [r.on_done for r in conv.requests]
+            owed = [r.finish for r in conv.requests]
             conv.queue.clear()
             conv.requests.clear()
             self._close(conv)

@@ -134,9 +134,15 @@ serve() {
 }
 
 stop() {
-    [ -f "$HOST/tritonserver.pid" ] || return 0
-    kill -TERM -- "-$(cat "$HOST/tritonserver.pid")" 2>/dev/null || true
-    rm -f "$HOST/tritonserver.pid"
+    if [ -f "$HOST/tritonserver.pid" ]; then
+        local group=-$(cat "$HOST/tritonserver.pid")
+        kill -TERM -- "$group" 2>/dev/null || true
+        for _ in $(seq 30); do kill -0 -- "$group" 2>/dev/null || break; sleep 1; done
+        kill -KILL -- "$group" 2>/dev/null || true
+        rm -f "$HOST/tritonserver.pid"
+    fi
+    # A server that crashed leaves its Python-backend stubs behind, holding the GPU's memory.
+    pkill -KILL -f triton_python_backend_stub 2>/dev/null || true
 }
 
 case "${1:-}" in

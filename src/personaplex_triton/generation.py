@@ -1,13 +1,12 @@
 """PersonaPlex's generation step on moshi's `LMModel`, for a pool of conversation slots.
 
 PyPI moshi's `LMGen` cannot run PersonaPlex (with 16 depformer codebooks it ignores the user's
-audio and it cannot force prompt tokens), so this module keeps PersonaPlex's own token grid:
-per slot a ring buffer `cache[17, max_delay + 3]` of tokens (row 0 text, 1..8 agent audio,
-9..16 user audio) with `provided` flags for forced tokens. A call at position `o` writes the
-forced tokens at `o + delay`, runs the temporal transformer on the tokens of position `o - 1`,
-samples the text token and the 16 depformer codebooks of position `o` (forced ones replace the
-samples as depformer inputs) and, once past the delays, returns position `o - 1` with every
-stream aligned: text, agent cb0..7 (ready for the Mimi decoder) and the user's echo.
+audio and it cannot force prompt tokens), so this module keeps PersonaPlex's own token grid
+(token_grid.py). A call at position `o` writes the forced tokens, runs the temporal transformer
+on the tokens of position `o - 1`, samples the text token and the 16 depformer codebooks of
+position `o` (forced ones replace the samples as depformer inputs) and, once past the delays,
+returns a position with every stream aligned: text, agent cb0..7 (ready for the Mimi decoder)
+and the user's echo.
 
 Every slot keeps its own position, so slots join, idle and leave independently: rows outside
 `active` are left untouched (moshi's exec mask keeps their transformer state).
@@ -31,8 +30,7 @@ from moshi.utils.compile import CUDAGraphed
 
 from . import loaders, ring_attention
 from .sampling import SamplingParams, SlotSampling, sample
-
-NUM_AUDIO = 8  # codebooks per audio stream
+from .token_grid import NUM_AUDIO, TokenGrid
 PREFILL_CHUNK = 256  # prefill positions per transformer pass
 
 
@@ -97,15 +95,7 @@ class SlotGenerator:
         self.num_slots = num_slots
         device = lm.device
         self.device = device
-        self.delays = torch.tensor(lm.delays, dtype=torch.long, device=device)
-        self.max_delay = int(max(lm.delays))
-        self.ring = self.max_delay + 3
-        K = lm.num_codebooks  # 17
-        self.num_codebooks = K
-        self.cache = torch.full((num_slots, K, self.ring), lm.ungenerated_token_id, dtype=torch.long, device=device)
-        self.provided = torch.zeros((num_slots, K, self.ring), dtype=torch.bool, device=device)
-        self.offset = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.initial = lm._get_initial_token()[0, :, 0]  # [17]
+        self.grid = TokenGrid(num_slots, lm.delays, lm._get_initial_token()[0, :, 0], lm.ungenerated_token_id, device)
         self.sampling = SlotSampling(num_slots, device)
         self.top_k_bound = loaders.TOP_K_BUCKETS[0]
         self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
@@ -137,11 +127,7 @@ class SlotGenerator:
         mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
         mask[slot] = True
         self.lm.reset_streaming(mask)
-        self.cache[slot] = self.lm.ungenerated_token_id
-        self.provided[slot] = False
-        self.cache[slot, :, 0] = self.initial
-        self.provided[slot, :, 0] = True
-        self.offset[slot] = 1
+        self.grid.start(slot)
         self.sampling.set(slot, params)
         # Graphs are keyed by fixed top-k buckets, never by a client's value.
         self.top_k_bound = bucket_for(max(int(self.sampling.top_k.max()), 1), loaders.TOP_K_BUCKETS)
@@ -150,8 +136,7 @@ class SlotGenerator:
     def snapshot(self, slot: int) -> dict:
         """A copy of everything `slot` has accumulated: its token grid and the temporal
         transformer's streaming state (KV cache up to its length, offsets)."""
-        snap = {"cache": self.cache[slot].clone(), "provided": self.provided[slot].clone(),
-                "offset": self.offset[slot].clone(), "modules": []}
+        snap = {"grid": self.grid.row(slot, self.device), "modules": []}
         for state in self._transformer_states():
             rows = {name: value[slot].clone() for name, value in _batch_tensors(state, self.num_slots)}
             kv = getattr(state, "kv_cache", None)
@@ -164,9 +149,7 @@ class SlotGenerator:
 
     def restore(self, slot: int, snap: dict) -> None:
         """Put a snapshot (of any slot) into `slot`."""
-        self.cache[slot] = snap["cache"]
-        self.provided[slot] = snap["provided"]
-        self.offset[slot] = snap["offset"]
+        self.grid.put_row(slot, snap["grid"])
         for state, rows in zip(self._transformer_states(), snap["modules"], strict=True):
             for name, value in _batch_tensors(state, self.num_slots):
                 value[slot] = rows[name]
@@ -180,10 +163,6 @@ class SlotGenerator:
             state = getattr(module, "_streaming_state", None)
             if state is not None:
                 yield state
-
-    def restore_cache(self, slot: int, cache: torch.Tensor) -> None:
-        """Set a slot's token ring buffer, as a voice-prompt bundle does after its replay."""
-        self.cache[slot] = cache.to(self.cache)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Summed input embeddings of one position's tokens [S, 17] -> [S, 1, dim]."""
@@ -220,91 +199,59 @@ class SlotGenerator:
         b = inputs.active.shape[0]
         if b not in self._row_views:
             raise ValueError(f"a step runs on a batch bucket {self.buckets}, not on {b} rows")
-        rows = slice(0, b)
-        o = self.offset[rows].clone()
-        emb, target, target_provided = self._read_position(rows, o, inputs)
+        o, emb, target, target_provided = self._read(self.grid, slice(0, b), inputs)
         exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        exec_mask[rows] = inputs.active
+        exec_mask[:b] = inputs.active
         self.lm.set_exec_mask(exec_mask)
         with self._rows(self._row_views[b]):
             sampled = self._graphed_model_step(b)(emb, target, target_provided, o)
-        tokens, has_output = self._write_position(rows, o, inputs.active, sampled, target_provided)
+        tokens, has_output = self.grid.write(slice(0, b), o, inputs.active, sampled, target_provided)
         return tokens, has_output, emb
 
     @torch.no_grad()
     def prefill(self, slot: int, steps: list) -> torch.Tensor:
         """Play a persona's prefill into a freshly started `slot` at once: every token of a
-        prefill step is forced, so its samples are never used and the depformer need not run;
-        the temporal transformer takes all the steps' input embeddings in chunked passes, as
-        an LLM takes a prompt. `steps`: (StepInputs of one row, every stream forced; a ring
-        buffer to restore after the step, or None). Returns the input embeddings [M, 1, dim]."""
-        rows = slice(slot, slot + 1)
-        embeddings = []
-        for inputs, restore_cache in steps:
-            o = self.offset[rows].clone()
-            emb, target, target_provided = self._read_position(rows, o, inputs)
+        prefill step is forced, so its samples are never used and the depformer need not run.
+        The token grid plays the steps on a CPU copy of the slot's row; the temporal transformer
+        then takes all the steps' input embeddings in chunked passes, as an LLM takes a prompt.
+        `steps`: (StepInputs of one row, every stream forced; a ring buffer to restore after the
+        step, or None). Returns the input embeddings [M, 1, dim]."""
+        if not steps:
+            return torch.zeros(0, 1, self.lm.dim, device=self.device)
+        grid, rows = self.grid.row(slot, "cpu"), slice(0, 1)
+        tokens, given = [], []
+        for i, (inputs, restore_cache) in enumerate(steps):
+            active = inputs.active.cpu()
+            o, previous, target, target_provided = grid.read(rows, active, *_forced(inputs, "cpu"))
             if not bool(target_provided.all()):
                 raise ValueError("a prefill step must force every stream")
-            self._write_position(rows, o, inputs.active, target, target_provided)
+            grid.write(rows, o, active, target, target_provided)
             if restore_cache is not None:
-                self.restore_cache(slot, restore_cache)
-            embeddings.append(emb)
-        if not embeddings:
-            return torch.zeros(0, 1, self.lm.dim, device=self.device)
-        sequence = torch.cat(embeddings, dim=1)  # [1, M, dim]
+                grid.cache[0] = restore_cache
+            tokens.append(previous)
+            if inputs.embeddings is not None:
+                given.append((i, inputs.embeddings.view(1, -1)))
+        self.grid.put_row(slot, grid)
+        embeddings = self.embed(torch.cat(tokens).to(self.device))  # [M, 1, dim]
+        if given:  # a voice bundle's own input embeddings replace the tokens'
+            index, values = zip(*given)
+            embeddings[list(index), 0] = torch.cat(values).to(embeddings)
         exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
         exec_mask[slot] = True
         self.lm.set_exec_mask(exec_mask)
-        views = [(m, _rows_view(state, self.num_slots, rows)) for m, state in self._full_states]
+        views = [(m, _rows_view(state, self.num_slots, slice(slot, slot + 1))) for m, state in self._full_states]
         with self._rows(views):
-            for chunk in sequence.split(PREFILL_CHUNK, dim=1):
+            for chunk in embeddings.transpose(0, 1).split(PREFILL_CHUNK, dim=1):
                 self.lm.transformer(chunk)
-        return sequence.transpose(0, 1)
+        return embeddings
 
-    def _read_position(self, rows: slice, o: torch.Tensor, inputs: StepInputs):
-        """Write the forced tokens of a step at o + delay (the delayed streams start from the
-        initial token) and read position o - 1 for the transformer and position o, which it
-        predicts: (input embeddings [b, 1, dim], target [b, K], target provided [b, K])."""
-        K, CT = self.num_codebooks, self.ring
-        cache, provided, active = self.cache[rows], self.provided[rows], inputs.active
-        b = active.shape[0]
-        forced = torch.zeros((b, K), dtype=torch.long, device=self.device)
-        forced[:, 0] = inputs.text_token
-        forced[:, 1:1 + NUM_AUDIO] = inputs.agent_codes
-        forced[:, 1 + NUM_AUDIO:] = inputs.user_codes
-        is_forced = torch.zeros((b, K), dtype=torch.bool, device=self.device)
-        is_forced[:, 0] = inputs.text_forced
-        is_forced[:, 1:1 + NUM_AUDIO] = inputs.agent_forced[:, None]
-        is_forced[:, 1 + NUM_AUDIO:] = True
-        is_forced &= active[:, None]
-        write = (o[:, None] + self.delays[None, :]) % CT  # [b, K]
-        _scatter(cache, provided, write, forced, is_forced)
-        at_start = (o[:, None] <= self.delays[None, :]) & active[:, None]
-        _scatter(cache, provided, (o % CT)[:, None].expand(b, K), self.initial[None, :].expand(b, K), at_start)
-
-        src = ((o - 1) % CT)[:, None, None].expand(b, K, 1)
-        dst = (o % CT)[:, None, None].expand(b, K, 1)
-        emb = self.embed(cache.gather(2, src)[:, :, 0])
+    def _read(self, grid: TokenGrid, rows: slice, inputs: StepInputs):
+        """The grid's read of a step: (o, input embeddings [b, 1, dim], target, target provided)."""
+        o, previous, target, target_provided = grid.read(rows, inputs.active, *_forced(inputs, grid.device))
+        emb = self.embed(previous)
         if inputs.embeddings is not None:
             emb = torch.where(inputs.embed_rows[:, None, None], inputs.embeddings.to(emb), emb)
-        return emb, cache.gather(2, dst)[:, :, 0], provided.gather(2, dst)[:, :, 0]
-
-    def _write_position(self, rows: slice, o, active, sampled, target_provided):
-        """Samples fill position o where nothing was forced; o - 1 is done; active rows move on.
-        Returns (tokens [b, 17] of position o - 1, has_output [b])."""
-        K, CT = self.num_codebooks, self.ring
-        cache, provided = self.cache[rows], self.provided[rows]
-        b = active.shape[0]
-        dst = (o % CT)[:, None].expand(b, K)
-        _scatter(cache, provided, dst, sampled, ~(target_provided | ~active[:, None]))
-        clear = ((o - 1) % CT)[:, None].expand(b, K)
-        index = torch.arange(b, device=self.device)[:, None], torch.arange(K, device=self.device)[None, :], clear
-        provided[index] &= ~active[:, None]
-        has_output = active & (o > self.max_delay)
-        out_pos = (o[:, None] - self.max_delay + self.delays[None, :]) % CT
-        tokens = cache.gather(2, out_pos[:, :, None])[:, :, 0]
-        self.offset[rows] = torch.where(active, o + 1, o)
-        return tokens, has_output
+        return o, emb, target, target_provided
 
     def _idle_inputs(self, b: int) -> StepInputs:
         """A step of b rows with none active: it changes no slot's state."""
@@ -361,12 +308,10 @@ class SlotGenerator:
         return torch.stack(tokens, dim=1)
 
 
-
-def _scatter(cache: torch.Tensor, provided: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
-             mask: torch.Tensor) -> None:
-    """cache[s, k, positions[s, k]] = values[s, k] and provided = True, where mask[s, k]."""
-    idx = positions[:, :, None]
-    current = cache.gather(2, idx)[:, :, 0]
-    cache.scatter_(2, idx, torch.where(mask, values, current)[:, :, None])
-    was = provided.gather(2, idx)[:, :, 0]
-    provided.scatter_(2, idx, (was | mask)[:, :, None])
+def _forced(inputs: StepInputs, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's forced tokens [b, K] in the grid's stream order, and where they are forced."""
+    b = inputs.active.shape[0]
+    forced = torch.cat([inputs.text_token.view(b, 1), inputs.agent_codes, inputs.user_codes], dim=1).to(device)
+    is_forced = torch.cat([inputs.text_forced.view(b, 1), inputs.agent_forced.view(b, 1).expand(b, NUM_AUDIO),
+                           torch.ones(b, NUM_AUDIO, dtype=torch.bool, device=inputs.active.device)], dim=1)
+    return forced, is_forced.to(device)

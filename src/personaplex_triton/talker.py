@@ -165,8 +165,7 @@ class Talker:
                 text_token=torch.tensor([step.text]), text_forced=torch.ones(1, dtype=torch.bool),
                 embeddings=None if step.embedding is None else step.embedding.view(1, 1, -1),
                 embed_rows=None if step.embedding is None else torch.ones(1, dtype=torch.bool))
-            steps.append((StepInputs(*(None if t is None else t.to(self.device) for t in vars(inputs).values())),
-                          step.restore_cache))
+            steps.append((inputs, step.restore_cache))
         return self.generator.prefill(slot, steps)
 
     def text_piece(self, token: int) -> str:
@@ -221,7 +220,7 @@ def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:
     talker.generator.start(0, SamplingParams(greedy=True))
     talker.mimi.reset([0])
     embeddings = talker.play(0, voice_program(voice, talker.lm.initial_token_id))
-    cache = talker.generator.cache[0:1].detach().cpu().clone()
+    cache = talker.generator.grid.cache[0:1].detach().cpu().clone()
     talker.stop(0)
     # fresh strides: the saved bytes do not depend on how the embeddings were computed
     return {"embeddings": embeddings[:, None].detach().cpu().clone(memory_format=torch.contiguous_format),

@@ -1,0 +1,97 @@
+"""PersonaPlex's token grid for a pool of conversation slots: which token each stream holds at
+each position, with the streams' delays.
+
+Per slot a ring buffer `cache[17, max_delay + 3]` of tokens (row 0 text, 1..8 agent audio,
+9..16 user audio) with `provided` flags for forced tokens, and the slot's position `offset`.
+A step at position `o` writes the forced tokens at `o + delay`, reads position `o - 1` (the
+transformer's input) and position `o` (what it predicts, and what was forced there), then
+fills `o` with the samples where nothing was forced and, once past the delays, gives position
+`o - max_delay` with every stream aligned. Rows outside `active` are left as they were.
+
+The grid lives where its tensors are: the GPU for the batched steps; a copy of one row on the
+CPU plays a persona's prefill (hundreds of forced steps of a few tiny ops each, which on the
+GPU would each cost a kernel launch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NUM_AUDIO = 8  # codebooks per audio stream
+
+
+class TokenGrid:
+    def __init__(self, num_slots: int, delays: list[int], initial: torch.Tensor, ungenerated: int, device):
+        self.device = torch.device(device)
+        self.delays = torch.tensor(delays, dtype=torch.long, device=self.device)
+        self.max_delay = int(max(delays))
+        self.ring = self.max_delay + 3
+        self.num_codebooks = K = len(delays)
+        self.initial = initial.to(self.device)  # [17]
+        self.ungenerated = ungenerated
+        self.cache = torch.full((num_slots, K, self.ring), ungenerated, dtype=torch.long, device=self.device)
+        self.provided = torch.zeros((num_slots, K, self.ring), dtype=torch.bool, device=self.device)
+        self.offset = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+
+    def start(self, slot: int) -> None:
+        """Fresh state for `slot`, at position 1: position 0 holds the initial tokens."""
+        self.cache[slot] = self.ungenerated
+        self.provided[slot] = False
+        self.cache[slot, :, 0] = self.initial
+        self.provided[slot, :, 0] = True
+        self.offset[slot] = 1
+
+    def row(self, slot: int, device) -> "TokenGrid":
+        """A grid of one row on `device`: a copy of `slot`'s (`put_row` writes it back)."""
+        grid = TokenGrid(1, self.delays.tolist(), self.initial, self.ungenerated, device)
+        grid.cache[0], grid.provided[0], grid.offset[0] = self.cache[slot], self.provided[slot], self.offset[slot]
+        return grid
+
+    def put_row(self, slot: int, grid: "TokenGrid") -> None:
+        self.cache[slot], self.provided[slot], self.offset[slot] = (
+            t[0].to(self.device) for t in (grid.cache, grid.provided, grid.offset))
+
+    def read(self, rows: slice, active, forced, is_forced):
+        """Write each active row's forced tokens [b, K] (where `is_forced`) at o + delay (the
+        delayed streams start from the initial token) and read the grid.
+
+        Returns (o [b], tokens of position o - 1 [b, K], what position o holds [b, K] and
+        whether it was forced there [b, K])."""
+        K, CT = self.num_codebooks, self.ring
+        cache, provided = self.cache[rows], self.provided[rows]
+        b = active.shape[0]
+        o = self.offset[rows].clone()
+        write = (o[:, None] + self.delays[None, :]) % CT  # [b, K]
+        _scatter(cache, provided, write, forced, is_forced & active[:, None])
+        at_start = (o[:, None] <= self.delays[None, :]) & active[:, None]
+        _scatter(cache, provided, (o % CT)[:, None].expand(b, K), self.initial[None, :].expand(b, K), at_start)
+        src = ((o - 1) % CT)[:, None, None].expand(b, K, 1)
+        dst = (o % CT)[:, None, None].expand(b, K, 1)
+        return o, cache.gather(2, src)[:, :, 0], cache.gather(2, dst)[:, :, 0], provided.gather(2, dst)[:, :, 0]
+
+    def write(self, rows: slice, o, active, sampled, target_provided):
+        """Samples fill position o where nothing was forced; o - 1 is done; active rows move on.
+        Returns (tokens [b, K] of position o - max_delay, has_output [b])."""
+        K, CT = self.num_codebooks, self.ring
+        cache, provided = self.cache[rows], self.provided[rows]
+        b = active.shape[0]
+        dst = (o % CT)[:, None].expand(b, K)
+        _scatter(cache, provided, dst, sampled, ~(target_provided | ~active[:, None]))
+        clear = ((o - 1) % CT)[:, None].expand(b, K)
+        index = torch.arange(b, device=self.device)[:, None], torch.arange(K, device=self.device)[None, :], clear
+        provided[index] &= ~active[:, None]
+        has_output = active & (o > self.max_delay)
+        out_pos = (o[:, None] - self.max_delay + self.delays[None, :]) % CT
+        tokens = cache.gather(2, out_pos[:, :, None])[:, :, 0]
+        self.offset[rows] = torch.where(active, o + 1, o)
+        return tokens, has_output
+
+
+def _scatter(cache: torch.Tensor, provided: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+             mask: torch.Tensor) -> None:
+    """cache[s, k, positions[s, k]] = values[s, k] and provided = True, where mask[s, k]."""
+    idx = positions[:, :, None]
+    current = cache.gather(2, idx)[:, :, 0]
+    cache.scatter_(2, idx, torch.where(mask, values, current)[:, :, None])
+    was = provided.gather(2, idx)[:, :, 0]
+    provided.scatter_(2, idx, (was | mask)[:, :, None])

@@ -44,7 +44,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     variants = {"attend": {}, "attend, block 128": {"block": 128}, "attend, block 128, 8 warps": {"block": 128, "warps": 8},
-                "attend, 1 split": {"splits": 1}, "attend, no tensor cores": {"tensor_cores": False, "block": 128}}
+                "attend, 1 split": {"splits": 1}}
     rows = []
     for batch in args.batch:
         cache = torch.randn(2, batch, HEADS, CAPACITY, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

@@ -30,53 +30,18 @@ except ImportError:  # the CPU install has no Triton: moshi's attention runs the
 MIN_SPLIT = 256        # ring entries per program, at least
 TARGET_PROGRAMS = 1024  # enough programs to keep every SM of an H200 (132) reading
 BLOCK_N = 64            # entries per load
-TENSOR_CORES = True     # _split_dot_kernel (else _split_kernel)
 
 
 if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, max_ptr, sum_ptr,
-                      stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
-                      num_heads, kv_repeat, num_splits, split_size, scale,
-                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-        row = tl.program_id(0)  # b * num_heads + h
-        split = tl.program_id(1)
-        b = row // num_heads
-        kv_head = (row % num_heads) // kv_repeat
-        length = tl.load(len_ptr + b)
-        start = split * split_size
-        end = tl.minimum(start + split_size, length)
-        dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + b * stride_qb + (row % num_heads) * stride_qh + dims).to(tl.float32) * scale
-        base = b * stride_kb + kv_head * stride_kh
-        running_max = tl.zeros([], tl.float32) - float("inf")
-        running_sum = tl.zeros([], tl.float32)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        for first in range(start, end, BLOCK):
-            entries = first + tl.arange(0, BLOCK)
-            valid = entries < end
-            offsets = base + entries[:, None] * stride_kn + dims[None, :]
-            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-            scores = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-            weights = tl.exp(scores - new_max)
-            rescale = tl.exp(running_max - new_max)
-            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-            acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
-            running_sum = running_sum * rescale + tl.sum(weights, axis=0)
-            running_max = new_max
-        out = row * num_splits + split
-        tl.store(acc_ptr + out * HEAD_DIM + dims, acc)
-        tl.store(max_ptr + out, running_max)
-        tl.store(sum_ptr + out, running_sum)
-
-    @triton.jit
-    def _split_dot_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, max_ptr, sum_ptr,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
                           num_heads, kv_repeat, num_splits, split_size, scale,
                           BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
-        """`_split_kernel` on tensor cores: the query repeated to 16 rows (tl.dot's least), so
-        the tiles go through shared memory, pipelined, instead of registers."""
+        """One (conversation, head, split): an unnormalised softmax sum over the split's filled
+        entries, with its maximum and sum. On tensor cores, the query repeated to 16 rows
+        (tl.dot's least), so the tiles go through shared memory, pipelined; read as vectors
+        into registers they made the kernel 1.3x slower at 64 conversations."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         b = row // num_heads
@@ -144,12 +109,11 @@ def num_splits(rows: int, capacity: int) -> int:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-           splits: int | None = None, block: int = BLOCK_N, warps: int = 4,
-           tensor_cores: bool = TENSOR_CORES) -> torch.Tensor:
+           splits: int | None = None, block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, lengths[b]) of keys and values
     [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout);
     returns [B, H, 1, D] in q's dtype. A row with no entries gets zeros. `splits`, `block`,
-    `warps`, `tensor_cores`: the launch (default: `num_splits`), for the benchmark."""
+    `warps`: the launch (default: `num_splits`), for the benchmark."""
     B, H, _, D = q.shape
     capacity = keys.shape[2]
     splits = splits or num_splits(B * H, capacity)
@@ -162,11 +126,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     args = (q, keys, values, lengths, acc, maxima, sums,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             H, H // keys.shape[1], splits, split_size, D ** -0.5)
-    if tensor_cores:
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        _split_dot_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, num_warps=warps)
-    else:
-        _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, num_warps=warps)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
+    _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, num_warps=warps)
     out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
     _merge_kernel[(B * H,)](acc, maxima, sums, out, splits,
                             SPLITS=triton.next_power_of_2(splits), HEAD_DIM=D)

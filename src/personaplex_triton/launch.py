@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .shutdown import DRAIN_FILE, DRAIN_S, SHUTDOWN_DIR_ENV, drained, finalized
+from .shutdown import DRAIN_FILE, DRAIN_S, SHUTDOWN_DIR_ENV, drained, not_finalized
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -37,8 +37,9 @@ MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # Triton 2.51 "exits immediately", and crashes or hangs.
 EXIT_TIMEOUT_S = 20
 DRAIN_MARGIN_S = 5  # past the talker's drain time, the launcher stops waiting for it
-# Once every model has finalized, tritonserver stops its endpoints; 2.51's gRPC endpoint waits
-# there, without end, for clients that keep a stream open. Past this it is killed: all is done.
+# Once the models are unloaded (their stub processes exited), tritonserver stops its endpoints;
+# 2.51's gRPC endpoint waits there, without end, for clients that keep a stream open. Past this
+# it is killed: all is done (exit 0 if every model instance finished its finalize()).
 ENDPOINTS_GRACE_S = 3
 # From SIGTERM to the launcher's exit at most (the talker's drain, then Triton's shutdown):
 # past it the launcher kills the server and its stub processes and exits with 1.
@@ -158,14 +159,16 @@ def serve(argv: list[str], env: dict[str, str], grpc_port: int) -> int:
             if not stopping and (drained(Path(folder)) or waited > DRAIN_S + DRAIN_MARGIN_S):
                 server.send_signal(signal.SIGTERM)
                 stopping = True
-            if stopping and finished is None and finalized(Path(folder)) and not child_processes(server.pid):
-                finished = time.monotonic()
+            if stopping and finished is None and not child_processes(server.pid):
+                finished = time.monotonic()  # every stub process has exited: the models are unloaded
             if finished is not None and time.monotonic() - finished > ENDPOINTS_GRACE_S:
                 server.kill()
                 server.wait()
-                print("launch: every model has finalized; tritonserver's gRPC endpoint was still waiting for "
-                      "clients' open streams: stopped it", file=sys.stderr, flush=True)
-                return 0
+                unfinished = not_finalized(Path(folder))
+                print("launch: the models are unloaded; tritonserver's gRPC endpoint was still waiting for "
+                      "clients' open streams: stopped it" + (f"; not finalized: {', '.join(unfinished)}"
+                                                             if unfinished else ""), file=sys.stderr, flush=True)
+                return 1 if unfinished else 0
             if waited > SHUTDOWN_BOUND_S:
                 break
         stubs = child_processes(server.pid)  # they hang on once tritonserver dies

@@ -119,28 +119,40 @@ def _mark(instance: str, suffix: str, text: str = "") -> None:
 
 
 def register(instance: str, drains: bool) -> None:
-    """A model instance loaded: the launcher waits for its finalize, and for its drain if it `drains`."""
-    _mark(instance, SERVING_SUFFIX, "drains" if drains else "")
+    """A model instance loaded, in this (stub) process: while the process lives, the launcher
+    waits for its finalize, and for its drain if it `drains`."""
+    _mark(instance, SERVING_SUFFIX, f"{os.getpid()} {'drains' if drains else 'finalizes'}")
 
 
 def mark_finalized(instance: str) -> None:
     _mark(instance, FINALIZED_SUFFIX)
 
 
-def _all_marked(folder: Path, suffix: str, draining_only: bool) -> bool:
-    registered = {p.name.removesuffix(SERVING_SUFFIX) for p in folder.glob("*" + SERVING_SUFFIX)
-                  if not draining_only or p.read_text() == "drains"}
-    return registered <= {p.name.removesuffix(suffix) for p in folder.glob("*" + suffix)}
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def drained(folder: Path) -> bool:
-    """Whether every talker instance registered in `folder` has drained."""
-    return _all_marked(folder, DRAINED_SUFFIX, draining_only=True)
+    """Whether every talker instance registered in `folder` has drained, or its process died."""
+    done = {p.name.removesuffix(DRAINED_SUFFIX) for p in folder.glob("*" + DRAINED_SUFFIX)}
+    for path in folder.glob("*" + SERVING_SUFFIX):
+        pid, role = path.read_text().split()
+        if role == "drains" and _alive(int(pid)) and path.name.removesuffix(SERVING_SUFFIX) not in done:
+            return False
+    return True
 
 
-def finalized(folder: Path) -> bool:
-    """Whether every model instance registered in `folder` has finished its finalize()."""
-    return _all_marked(folder, FINALIZED_SUFFIX, draining_only=False)
+def not_finalized(folder: Path) -> list[str]:
+    """The model instances registered in `folder` that have not finished their finalize()."""
+    done = {p.name.removesuffix(FINALIZED_SUFFIX) for p in folder.glob("*" + FINALIZED_SUFFIX)}
+    return sorted(name for name in (p.name.removesuffix(SERVING_SUFFIX) for p in folder.glob("*" + SERVING_SUFFIX))
+                  if name not in done)
 
 
 class Drain:

@@ -2,6 +2,8 @@
 against a real server in tests/test_faults.py."""
 
 import subprocess
+import time
+from pathlib import Path
 
 from personaplex_triton import shutdown
 from personaplex_triton.shutdown import OpenSequences
@@ -35,3 +37,18 @@ def test_the_launcher_waits_for_live_drainers_and_reports_who_did_not_finalize(t
     assert shutdown.drained(tmp_path)                 # a dead stub is not waited for
     shutdown.mark_finalized("code2wav_0_0")
     assert shutdown.not_finalized(tmp_path) == ["talker_0_0", "talker_1_0"]
+
+
+def test_a_zombie_stub_is_not_waited_for(tmp_path, monkeypatch):
+    """A killed stub that tritonserver has not reaped yet is a zombie: dead, though its pid answers."""
+    monkeypatch.setenv(shutdown.SHUTDOWN_DIR_ENV, str(tmp_path))
+    zombie = subprocess.Popen(["true"])  # not waited for: a zombie once it exits
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (tmp_path / ("talker_0_0" + shutdown.SERVING_SUFFIX)).write_text(f"{zombie.pid} drains")
+        assert shutdown.drained(tmp_path)
+    finally:
+        zombie.wait()

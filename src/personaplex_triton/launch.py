@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .shutdown import DRAIN_FILE, DRAIN_S, SHUTDOWN_DIR_ENV, drained, not_finalized
+from .shutdown import DRAIN_FILE, DRAIN_S, SHUTDOWN_DIR_ENV, drained, not_finalized, write_atomically
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -142,7 +142,7 @@ def serve(argv: list[str], env: dict[str, str], grpc_port: int) -> int:
                 signalled = time.monotonic()
                 print(f"launch: {signal.Signals(signum).name}: draining, then stopping tritonserver "
                       f"(at most {SHUTDOWN_BOUND_S:.0f} s)", file=sys.stderr, flush=True)
-                (Path(folder) / DRAIN_FILE).write_text(f"localhost:{grpc_port}")
+                write_atomically(Path(folder) / DRAIN_FILE, f"localhost:{grpc_port}")
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, on_signal)

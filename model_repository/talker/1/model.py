@@ -25,7 +25,7 @@ class TritonPythonModel:
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
         log_info(f"{args['model_name']}: personas prefilled at load: {', '.join(self.service.warmed) or 'none'}")
         self.name, self.instance = args["model_name"], args["model_instance_name"]
-        # Twice the reaper's wait: a sequence still open then has ended without a word to us.
+        # A sequence idle for twice the reaper's wait has been ended by it, without a word to us.
         self.sequences = OpenSequences(forget_after_s=2 * sequence_idle_s(args))
         self.drain = Drain.from_env(self.sequences, self._drain, self._end_requests, self.instance)
         register(self.instance, drains=True)

@@ -272,6 +272,7 @@ def test_sigterm_drains_then_exits_cleanly_with_conversations_open(tiny_checkpoi
             assert status == 0 and took < SHUTDOWN_BOUND_S, (status, took)
             assert len(talking.frames) == 1 + pending and len(talking.finals) == 2  # start, pending: in full
             assert wait_for(lambda: idle.errors, 10), "the idle client's stream was left open and silent"
+            assert "UNAVAILABLE" in idle.errors[0], idle.errors
             assert not child_processes(server.process.pid) and not any(Path(f"/proc/{p}").exists() for p in stubs)
             assert not any(p.exists() for p in shared_memory), "a stub did not exit cleanly"
             text = log.read_text(errors="replace")

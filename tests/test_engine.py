@@ -383,3 +383,42 @@ def test_empty_closing_request_waits_for_earlier_frames(engine):
     engine.submit(1, [], None, lambda e: (order.append("closed"), closer.on_done(e)), close=True)
     closer.wait()
     assert order == ["a", "b", "done a", "closed"] and closer.errors == [None]
+
+
+def test_draining_finishes_pending_requests_and_refuses_new_ones():
+    """Shutdown lets a pending request finish in full; meanwhile a new conversation or a new
+    request with items is refused, and an empty end request still ends its conversation."""
+
+    class GatedStage(CountingStage):
+        def __init__(self, num_slots):
+            super().__init__(num_slots)
+            self.gate = threading.Event()
+
+        def tick(self, items):
+            self.gate.wait(30)
+            return super().tick(items)
+
+    stage = GatedStage(2)
+    engine = SlotEngine(stage)
+    engine.open(1, None)
+    pending, ended = Collector(), Collector()
+    engine.submit(1, ["x", "y"], pending.on_output, pending.on_done)
+    draining = threading.Thread(target=engine.shutdown, kwargs={"drain_s": 30})
+    draining.start()
+    deadline, refused = time.monotonic() + 10, None
+    while refused is None and time.monotonic() < deadline:
+        try:
+            engine.open(2, None)  # admitted until the drain begins
+            engine.submit(2, [], lambda o, i: None, lambda e: None, close=True)
+        except ConversationError as exc:
+            refused = str(exc)
+    assert refused == "the server is shutting down; no new conversations"
+    with pytest.raises(ConversationError, match="the server is shutting down; no new requests"):
+        engine.submit(1, ["z"], pending.on_output, pending.on_done)
+    engine.submit(1, [], None, ended.on_done, close=True)
+    started = time.monotonic()
+    stage.gate.set()
+    draining.join(30)
+    assert not draining.is_alive() and time.monotonic() - started < 10  # not the 30 s drain bound
+    assert [o[0] for o in pending.outputs] == ["x", "y"] and pending.errors == [None]
+    assert ended.errors == [None] and not engine.is_open(1)

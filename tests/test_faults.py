@@ -1,6 +1,6 @@
 """The fault suite, against a real `tritonserver`: malformed and over-limit requests, internal
 faults injected next to a healthy conversation, a vanished client, the metrics, a killed stub
-process, and SIGTERM. Each healthy conversation must lose nothing: it is compared frame by
+process, and SIGTERM with conversations open. Each healthy conversation must lose nothing: it is compared frame by
 frame with the same conversation run alone."""
 
 import os
@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton import contract, health, loaders
-from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer
+from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer, child_processes
 from triton_requests import raw_request, tensor, voice_input
 
 pytestmark = pytest.mark.integration
@@ -203,3 +204,80 @@ def test_killed_stub_turns_the_health_check_false(faulty):
     assert any(p.startswith("talker:") for p in found), found
     assert not any(p.startswith("code2wav:") for p in found), found
     assert cli.returncode == 0 and cli.stdout.strip() == "ok"
+
+
+class Stream:
+    """One client's gRPC stream, kept open: what each request got, and any error on the stream."""
+
+    def __init__(self, server):
+        self.frames, self.finals, self.errors = [], [], []
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.client.start_stream(self._callback)
+
+    def _callback(self, result, error):
+        if error is not None:
+            self.errors.append(str(error))
+        elif result.get_response().outputs:
+            self.frames.append(1)
+        else:
+            self.finals.append(1)
+
+    def send(self, sequence_id, frames, start=False):
+        self.client.async_stream_infer(contract.MODEL_NAME, [tensor(contract.AUDIO_IN, user_pcm(frames))],
+                                       sequence_id=sequence_id, sequence_start=start,
+                                       enable_empty_final_response=True)
+
+    def close(self):
+        try:
+            self.client.stop_stream()
+        finally:
+            self.client.close()
+
+
+def test_sigterm_drains_then_exits_cleanly_with_conversations_open(tiny_checkpoint, tmp_path):
+    """SIGTERM to the launcher with a conversation mid-request and one idle but connected: the
+    pending request is answered in full; a new conversation and a new request are refused with
+    an error naming the shutdown; the idle client's stream is closed, not left silent; the
+    launcher exits 0 within its bound, with no stub process or shared memory left behind."""
+    from personaplex_triton.launch import SHUTDOWN_BOUND_S
+
+    log = tmp_path / "triton.log"
+    server = TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log)
+    with server:
+        idle, talking = Stream(server), Stream(server)
+        try:
+            for stream, key in ((idle, 61), (talking, 62)):
+                stream.send(key, 1, start=True)
+                assert wait_for(lambda: stream.finals, 120) and not stream.errors
+            pending = 40
+            talking.send(62, pending)
+            assert wait_for(lambda: len(talking.frames) > 1, 120)
+            tritonserver, stubs = server.tritonserver_pid(), server.stub_pids()
+            shared_memory = [Path("/dev/shm") / child_processes(tritonserver)[pid][2] for pid in stubs]
+            assert len(stubs) == 2 and all(p.exists() for p in shared_memory)
+            signalled = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+
+            key, refused = 70, None  # answered until the talker's drain begins, refused from then on
+            while refused is None and time.monotonic() - signalled < 15:
+                key += 1
+                refused = raw_request(server, FRAME, key, True, False)[1]
+            assert refused is not None and "the server is shutting down; no new conversations" in refused
+            talking.send(62, 1)  # the 40 frames are still being answered
+            assert wait_for(lambda: talking.errors, 30), "the new request was not answered"
+            assert "the server is shutting down; no new requests" in talking.errors[0]
+
+            status = server.process.wait(SHUTDOWN_BOUND_S + 5)
+            took = time.monotonic() - signalled
+            assert status == 0 and took < SHUTDOWN_BOUND_S, (status, took)
+            assert len(talking.frames) == 1 + pending and len(talking.finals) == 2  # start, pending: in full
+            assert wait_for(lambda: idle.errors, 10), "the idle client's stream was left open and silent"
+            assert "UNAVAILABLE" in idle.errors[0], idle.errors
+            assert not child_processes(server.process.pid) and not any(Path(f"/proc/{p}").exists() for p in stubs)
+            assert not any(p.exists() for p in shared_memory), "a stub did not exit cleanly"
+            text = log.read_text(errors="replace")
+            assert "successfully unloaded 'talker'" in text and "successfully unloaded 'code2wav'" in text
+            assert "Exiting immediately" not in text
+        finally:
+            idle.close()
+            talking.close()

@@ -195,6 +195,8 @@ class SlotEngine:
         with self._cond:
             if self.failure is not None:
                 raise ConversationError(self.failure, reasons.UNAVAILABLE)
+            if not self._admitting and items:  # draining: what is pending finishes, nothing more starts
+                raise ConversationError("the server is shutting down; no new requests", reasons.UNAVAILABLE)
             conv = self._open.get(key)
             if conv is None:
                 raise ConversationError(
@@ -230,8 +232,8 @@ class SlotEngine:
             return list(self._open)
 
     def shutdown(self, drain_s: float = SHUTDOWN_DRAIN_S) -> None:
-        """Stop admitting conversations; let pending requests finish for up to `drain_s`, then
-        answer the rest with an error and stop the loop."""
+        """Stop admitting conversations and requests with items; let pending requests finish
+        for up to `drain_s`, then answer the rest with an error and stop the loop."""
         deadline = time.monotonic() + drain_s
         with self._cond:
             self._admitting = False

@@ -6,6 +6,9 @@ of this interpreter's version next to the backend, the venv's bin first on PATH 
 runs `python3` from there), and this interpreter's libpython on LD_LIBRARY_PATH.
 
     python -m personaplex_triton.launch [--model-repository DIR] [--http-port 8000] ...
+
+It stays tritonserver's parent: on SIGTERM or SIGINT it shuts the server down gracefully
+(shutdown.py) and exits with its status within SHUTDOWN_BOUND_S (40 s).
 """
 
 from __future__ import annotations
@@ -16,19 +19,31 @@ import os
 import re
 import shutil
 import socket
+import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from .shutdown import DRAIN_FILE, DRAIN_S, SHUTDOWN_DIR_ENV, drained, not_finalized, write_atomically
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-# On SIGTERM Triton 2.51 closes its endpoints at once and refuses new inference requests, the
-# ensemble's own requests to code2wav among them: a request in flight cannot finish, so waiting
-# longer for it gains nothing. Idle conversations are ended by the models' finalize().
-EXIT_TIMEOUT_S = 5
+# On SIGTERM Triton waits this long for its open sequences to end and its models to unload.
+# The talker has ended them by then (shutdown.py); this is room for a loaded machine. Past it
+# Triton 2.51 "exits immediately", and crashes or hangs.
+EXIT_TIMEOUT_S = 20
+DRAIN_MARGIN_S = 5  # past the talker's drain time, the launcher stops waiting for it
+# Once the models are unloaded (their stub processes exited), tritonserver stops its endpoints;
+# 2.51's gRPC endpoint waits there, without end, for clients that keep a stream open. Past this
+# it is killed: all is done (exit 0 if every model instance finished its finalize()).
+ENDPOINTS_GRACE_S = 3
+# From SIGTERM to the launcher's exit at most (the talker's drain, then Triton's shutdown):
+# past it the launcher kills the server and its stub processes and exits with 1.
+SHUTDOWN_BOUND_S = DRAIN_S + DRAIN_MARGIN_S + EXIT_TIMEOUT_S
 # No GPU pools, no GPU metrics: quiet and quick on a CPU-only machine; harmless on a GPU one.
 CPU_FLAGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
 # APIs that let a caller change the server or map its memory: only with the admin key's header.
@@ -111,6 +126,63 @@ def wait_ready(http_port: int, process: subprocess.Popen | None = None, timeout_
     raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s")
 
 
+def serve(argv: list[str], env: dict[str, str], grpc_port: int) -> int:
+    """Run tritonserver until it exits; its exit status (128 + the signal if one ended it).
+
+    SIGTERM or SIGINT (the first one): the talker drains first (shutdown.py), then tritonserver
+    gets SIGTERM; past SHUTDOWN_BOUND_S the server and its stubs are killed."""
+    with tempfile.TemporaryDirectory(prefix="personaplex-shutdown-") as folder:
+        # Its own process group: a terminal's Ctrl-C reaches the launcher only, which drains first.
+        server = subprocess.Popen(argv, env={**env, SHUTDOWN_DIR_ENV: folder}, process_group=0)
+        signalled = None
+
+        def on_signal(signum, _frame):
+            nonlocal signalled
+            if signalled is None:
+                signalled = time.monotonic()
+                print(f"launch: {signal.Signals(signum).name}: draining, then stopping tritonserver "
+                      f"(at most {SHUTDOWN_BOUND_S:.0f} s)", file=sys.stderr, flush=True)
+                write_atomically(Path(folder) / DRAIN_FILE, f"localhost:{grpc_port}")
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_signal)
+        stopping, finished = False, None
+        while True:
+            try:
+                status = server.wait(timeout=0.2)
+                return status if status >= 0 else 128 - status
+            except subprocess.TimeoutExpired:
+                pass
+            if signalled is None:
+                continue
+            waited = time.monotonic() - signalled
+            if not stopping and (drained(Path(folder)) or waited > DRAIN_S + DRAIN_MARGIN_S):
+                server.send_signal(signal.SIGTERM)
+                stopping = True
+            if stopping and finished is None and not child_processes(server.pid):
+                finished = time.monotonic()  # every stub process has exited: the models are unloaded
+            if finished is not None and time.monotonic() - finished > ENDPOINTS_GRACE_S:
+                server.kill()
+                server.wait()
+                unfinished = not_finalized(Path(folder))
+                print("launch: the models are unloaded; tritonserver's gRPC endpoint was still waiting for "
+                      "clients' open streams: stopped it" + (f"; not finalized: {', '.join(unfinished)}"
+                                                             if unfinished else ""), file=sys.stderr, flush=True)
+                return 1 if unfinished else 0
+            if waited > SHUTDOWN_BOUND_S:
+                break
+        stubs = child_processes(server.pid)  # they hang on once tritonserver dies
+        for pid in [server.pid, *stubs]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.wait()
+        print(f"launch: tritonserver did not exit within {SHUTDOWN_BOUND_S:.0f} s of the signal; killed it "
+              f"and {len(stubs)} stub processes", file=sys.stderr, flush=True)
+        return 1
+
+
 def child_processes(parent: int) -> dict[int, list[str]]:
     """pid -> argv of the live processes whose parent is `parent` (Linux /proc)."""
     children = {}
@@ -144,10 +216,12 @@ def free_port() -> int:
 
 
 class TritonServer:
-    """A `tritonserver` child process for the lifetime of a `with` block, on free ports.
+    """A server for the lifetime of a `with` block, on free ports, started as in production:
+    this module's launcher (`process`), its `tritonserver` child and that one's stub processes.
 
     `ready_s` is the time from launch to ready; the server's output goes to `log_path`;
-    `admin_key`: the admin APIs restricted to it (`restricted_api_flags`).
+    `admin_key`: the admin APIs restricted to it (`restricted_api_flags`). Leaving the block
+    sends the launcher SIGTERM: the graceful shutdown, bounded by SHUTDOWN_BOUND_S.
     """
 
     def __init__(self, model_repository: Path = MODEL_REPOSITORY, env: dict | None = None,
@@ -173,22 +247,33 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"localhost:{self.metrics_port}"
 
-    def stub_pids(self, model: str) -> list[int]:
-        """The Python backend stub processes serving `model`."""
-        return [pid for pid, argv in child_processes(self.process.pid).items()
-                if "triton_python_backend_stub" in argv[0] and f"/{model}/" in argv[1]]
+    def tritonserver_pid(self) -> int | None:
+        """The launcher's tritonserver child, while it runs."""
+        return next(iter(child_processes(self.process.pid)), None)
+
+    def stub_pids(self, model: str | None = None) -> list[int]:
+        """The Python backend stub processes (serving `model`, if given)."""
+        server = self.tritonserver_pid()
+        if server is None:
+            return []
+        return [pid for pid, argv in child_processes(server).items()
+                if "triton_python_backend_stub" in argv[0] and (model is None or f"/{model}/" in argv[1])]
 
     def rss_bytes(self) -> int:
-        """Resident memory of the server and its stub processes."""
-        return sum(rss_bytes(pid) for pid in [self.process.pid, *child_processes(self.process.pid)])
+        """Resident memory of the launcher, the server and its stub processes."""
+        server = self.tritonserver_pid()
+        processes = [self.process.pid] + ([server, *child_processes(server)] if server else [])
+        return sum(rss_bytes(pid) for pid in processes)
 
     def __enter__(self) -> "TritonServer":
-        argv, env = command(self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
-                            admin_key=self.admin_key)
-        env.update(self.extra_env)
+        argv = [sys.executable, "-m", "personaplex_triton.launch", f"--model-repository={self.model_repository}",
+                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-port={self.metrics_port}"]
+        if self.admin_key:
+            argv.append(f"--admin-key={self.admin_key}")
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(argv, env={**os.environ, **self.extra_env}, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self.ready_s = wait_ready(self.http_port, self.process, self.timeout_s)
         except BaseException:
@@ -200,9 +285,12 @@ class TritonServer:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+                self.process.wait(timeout=SHUTDOWN_BOUND_S + 15)
+            except subprocess.TimeoutExpired:  # the launcher itself hangs: everything goes
+                server = self.tritonserver_pid()
+                os.killpg(self.process.pid, signal.SIGKILL)
+                if server is not None:
+                    os.killpg(server, signal.SIGKILL)
                 self.process.wait()
 
 
@@ -218,7 +306,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cmd, env = command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                        admin_key=args.admin_key)
-    os.execvpe(cmd[0], cmd, env)
+    return serve(cmd, env, args.grpc_port)
 
 
 if __name__ == "__main__":

@@ -229,6 +229,11 @@ class TalkerService:
             raise LimitError(str(exc)) from exc
         return TalkerSetup(persona, sampling_params(arrays))
 
+    def drain(self, drain_s: float) -> None:
+        """No new conversations or requests (an error naming the shutdown); pending requests
+        finish, or get that error after `drain_s`."""
+        self.engine.shutdown(drain_s)
+
     def close(self) -> None:
         self.engine.shutdown()
         self.talker.close()

@@ -41,6 +41,13 @@ def request_arrays(request, names) -> dict[str, np.ndarray]:
     return arrays
 
 
+def sequence_idle_s(args: dict) -> float:
+    """The model's max_sequence_idle_microseconds, in seconds: Triton's reaper ends a sequence
+    idle that long (Triton's default, 1 s, where the config leaves it out)."""
+    batching = json.loads(args["model_config"]).get("sequence_batching", {})
+    return int(batching.get("max_sequence_idle_microseconds", 1_000_000)) / 1e6
+
+
 def sequence_flags(request) -> tuple[bool, bool]:
     flags = request.flags()
     return bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END)

@@ -2,6 +2,7 @@
 
 from personaplex_triton import loaders, seam
 from personaplex_triton.serving import Code2WavService, pick_device, slots_log_line
+from personaplex_triton.shutdown import mark_finalized, register
 from personaplex_triton.triton_adapter import (
     TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder)
 
@@ -18,6 +19,7 @@ class TritonPythonModel:
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
         self.instance = args["model_instance_name"]
+        register(self.instance, drains=False)  # the talker ends its sequences at shutdown
 
     def execute(self, requests):
         for request in requests:
@@ -30,3 +32,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.close()
+        mark_finalized(self.instance)

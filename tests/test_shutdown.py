@@ -1,0 +1,54 @@
+"""The launcher's and the talker's shutdown bookkeeping (shutdown.py); the whole shutdown runs
+against a real server in tests/test_faults.py."""
+
+import subprocess
+import time
+from pathlib import Path
+
+from personaplex_triton import shutdown
+from personaplex_triton.shutdown import OpenSequences
+
+
+def test_open_sequences_follow_start_and_end_and_forget_the_reaped():
+    sequences = OpenSequences(forget_after_s=120)
+    sequences.note(1, end=False, now=0)
+    sequences.note(2, end=False, now=10)
+    sequences.note(3, end=False, now=20)
+    sequences.note(2, end=True, now=30)      # ended by its client
+    sequences.note(1, end=False, now=100)    # still talking: not forgotten at 130
+    sequences.note(4, end=False, now=130)    # 3 was idle 110 s: still kept
+    assert sorted(sequences.take()) == [1, 3, 4]
+    assert sequences.take() == []            # taken: ending them is the caller's
+    sequences.note(5, end=False, now=200)
+    sequences.note(6, end=False, now=330)    # 5 idle 130 s: Triton's reaper has ended it
+    assert sequences.take() == [6]
+
+
+def test_the_launcher_waits_for_live_drainers_and_reports_who_did_not_finalize(tmp_path, monkeypatch):
+    monkeypatch.setenv(shutdown.SHUTDOWN_DIR_ENV, str(tmp_path))
+    shutdown.register("talker_0_0", drains=True)     # this process: alive
+    shutdown.register("code2wav_0_0", drains=False)
+    assert not shutdown.drained(tmp_path)
+    (tmp_path / ("talker_0_0" + shutdown.DRAINED_SUFFIX)).touch()
+    assert shutdown.drained(tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / ("talker_1_0" + shutdown.SERVING_SUFFIX)).write_text(f"{dead.pid} drains")
+    assert shutdown.drained(tmp_path)                 # a dead stub is not waited for
+    shutdown.mark_finalized("code2wav_0_0")
+    assert shutdown.not_finalized(tmp_path) == ["talker_0_0", "talker_1_0"]
+
+
+def test_a_zombie_stub_is_not_waited_for(tmp_path, monkeypatch):
+    """A killed stub that tritonserver has not reaped yet is a zombie: dead, though its pid answers."""
+    monkeypatch.setenv(shutdown.SHUTDOWN_DIR_ENV, str(tmp_path))
+    zombie = subprocess.Popen(["true"])  # not waited for: a zombie once it exits
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (tmp_path / ("talker_0_0" + shutdown.SERVING_SUFFIX)).write_text(f"{zombie.pid} drains")
+        assert shutdown.drained(tmp_path)
+    finally:
+        zombie.wait()

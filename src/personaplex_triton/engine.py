@@ -237,7 +237,9 @@ class SlotEngine:
         deadline = time.monotonic() + drain_s
         with self._cond:
             self._admitting = False
-            while (self._thread.is_alive() and any(c.requests for c in self._all)
+            # until every pending request is answered and every ended conversation released
+            # (answers leave from the outbox, releases from the loop)
+            while (self._thread.is_alive() and any(c.requests or c.closing for c in self._all)
                    and time.monotonic() < deadline):
                 self._cond.wait(0.1)
             self._running = False

@@ -30,7 +30,7 @@ def age(talker, frames: int) -> None:
     """Put every slot `frames` frames into its conversation, as far as the step's cost goes: the
     KV cache counts that many entries written (their values stay what they are) and RoPE that
     many positions."""
-    for state in talker.generator._transformer_states():
+    for state in talker.generator.states.states():
         if getattr(state, "kv_cache", None) is not None:
             state.kv_cache.end_offset[:] = frames
             state.offset[:] = frames

@@ -12,7 +12,7 @@ Every slot keeps its own position, so slots join, idle and leave independently: 
 `active` are left untouched (moshi's exec mask keeps their transformer state).
 
 A step runs on the first `b` slots only, `b` a batch bucket (1, 2, 4, ... up to the pool): the
-streaming state of every module is viewed as its first `b` rows, so a tick of 3 conversations
+streaming state of every module is viewed as its first `b` rows (slot_states.py), so a tick of 3 conversations
 in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there is one graph per
 (batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
 client sends makes the server capture another. On CUDA, a one-frame step's attention reads only
@@ -21,8 +21,6 @@ the KV entries each slot has written (ring_attention.py); moshi's attention is t
 
 from __future__ import annotations
 
-import copy
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +28,7 @@ from moshi.utils.compile import CUDAGraphed
 
 from . import loaders, ring_attention
 from .sampling import SamplingParams, SlotSampling, sample
+from .slot_states import SlotStates
 from .token_grid import NUM_AUDIO, TokenGrid
 PREFILL_CHUNK = 256  # prefill positions per transformer pass
 
@@ -63,29 +62,6 @@ class StepInputs:
     embed_rows: torch.Tensor | None = None
 
 
-def _batch_tensors(state, batch_size: int):
-    """(name, tensor) of a moshi streaming state's per-row tensors (batch dim first)."""
-    for name, value in vars(state).items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
-            yield name, value
-
-
-def _rows_view(state, num_slots: int, rows: slice):
-    """A moshi streaming state whose tensors are views of some rows of `state`'s, so a module
-    stepped on it reads and writes the pool's own memory."""
-    view = copy.copy(state)
-    view.batch_size = rows.stop - rows.start
-    for name, value in _batch_tensors(state, num_slots):
-        setattr(view, name, value[rows])
-    kv = getattr(state, "kv_cache", None)
-    if kv is not None:  # moshi's RingKVCache: cache [2, B, heads, capacity, dim], end_offset [B]
-        kv_view = copy.copy(kv)
-        kv_view.cache = kv.cache[:, rows]
-        kv_view.end_offset = kv.end_offset[rows]
-        view.kv_cache = kv_view
-    return view
-
-
 class SlotGenerator:
     """The token grids of `num_slots` conversations over one streaming `LMModel`."""
 
@@ -109,10 +85,7 @@ class SlotGenerator:
         self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
-        modules = [m for m in lm.transformer.modules() if getattr(m, "_streaming_state", None) is not None]
-        self._row_views = {b: [(m, _rows_view(m._streaming_state, num_slots, slice(0, b))) for m in modules]
-                           for b in self.buckets}
-        self._full_states = [(m, m._streaming_state) for m in modules]
+        self.states = SlotStates(lm.transformer, num_slots, self.buckets)
 
     def close(self) -> None:
         self._streaming.__exit__(None, None, None)
@@ -136,33 +109,12 @@ class SlotGenerator:
     def snapshot(self, slot: int) -> dict:
         """A copy of everything `slot` has accumulated: its token grid and the temporal
         transformer's streaming state (KV cache up to its length, offsets)."""
-        snap = {"grid": self.grid.row(slot, self.device), "modules": []}
-        for state in self._transformer_states():
-            rows = {name: value[slot].clone() for name, value in _batch_tensors(state, self.num_slots)}
-            kv = getattr(state, "kv_cache", None)
-            if kv is not None:
-                length = min(int(kv.end_offset[slot]), kv.capacity)
-                rows["kv"] = kv.cache[:, slot, :, :length].clone()
-                rows["kv_end_offset"] = kv.end_offset[slot].clone()
-            snap["modules"].append(rows)
-        return snap
+        return {"grid": self.grid.row(slot, self.device), "modules": self.states.snapshot(slot)}
 
     def restore(self, slot: int, snap: dict) -> None:
         """Put a snapshot (of any slot) into `slot`."""
         self.grid.put_row(slot, snap["grid"])
-        for state, rows in zip(self._transformer_states(), snap["modules"], strict=True):
-            for name, value in _batch_tensors(state, self.num_slots):
-                value[slot] = rows[name]
-            if "kv" in rows:
-                kv = state.kv_cache
-                kv.cache[:, slot, :, :rows["kv"].shape[2]] = rows["kv"]
-                kv.end_offset[slot] = rows["kv_end_offset"]
-
-    def _transformer_states(self):
-        for module in self.lm.transformer.modules():
-            state = getattr(module, "_streaming_state", None)
-            if state is not None:
-                yield state
+        self.states.restore(slot, snap["modules"])
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Summed input embeddings of one position's tokens [S, 17] -> [S, 1, dim]."""
@@ -197,13 +149,11 @@ class SlotGenerator:
         rows without output (inactive, or still inside the delays) hold garbage.
         """
         b = inputs.active.shape[0]
-        if b not in self._row_views:
-            raise ValueError(f"a step runs on a batch bucket {self.buckets}, not on {b} rows")
         o, emb, target, target_provided = self._read(self.grid, slice(0, b), inputs)
         exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
         exec_mask[:b] = inputs.active
         self.lm.set_exec_mask(exec_mask)
-        with self._rows(self._row_views[b]):
+        with self.states.first(b):
             sampled = self._graphed_model_step(b)(emb, target, target_provided, o)
         tokens, has_output = self.grid.write(slice(0, b), o, inputs.active, sampled, target_provided)
         return tokens, has_output, emb
@@ -239,8 +189,7 @@ class SlotGenerator:
         exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
         exec_mask[slot] = True
         self.lm.set_exec_mask(exec_mask)
-        views = [(m, _rows_view(state, self.num_slots, slice(slot, slot + 1))) for m, state in self._full_states]
-        with self._rows(views):
+        with self.states.slot(slot):
             for chunk in embeddings.transpose(0, 1).split(PREFILL_CHUNK, dim=1):
                 self.lm.transformer(chunk)
         return embeddings
@@ -260,17 +209,6 @@ class SlotGenerator:
         return StepInputs(active=zeros(b, dtype=torch.bool), user_codes=zeros(b, NUM_AUDIO),
                           agent_codes=zeros(b, NUM_AUDIO), agent_forced=zeros(b, dtype=torch.bool),
                           text_token=zeros(b), text_forced=zeros(b, dtype=torch.bool))
-
-    @contextmanager
-    def _rows(self, views):
-        """The transformer's modules see only some rows of their streaming state."""
-        for module, view in views:
-            module._streaming_state = view
-        try:
-            yield
-        finally:
-            for module, state in self._full_states:
-                module._streaming_state = state
 
     def _graphed_model_step(self, b: int) -> CUDAGraphed:
         """The model's part of a step, under a CUDA graph on GPUs (eager PyTorch is

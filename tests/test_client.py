@@ -25,8 +25,8 @@ from personaplex_stream import (
     stream_conversation,
 )
 from personaplex_stream import cli
-from personaplex_triton import contract
-from personaplex_triton.audio import write_wav
+from personaplex_stream import contract
+from personaplex_stream.audio import write_wav
 
 N = contract.FRAME_SAMPLES
 
@@ -53,10 +53,11 @@ def test_public_api_exports():
         assert hasattr(personaplex_stream, name)
 
 
-def test_client_does_not_import_torch():
-    code = "import sys, personaplex_stream, personaplex_stream.cli; print('torch' in sys.modules)"
+def test_client_does_not_import_torch_or_scipy():
+    code = ("import sys, personaplex_stream, personaplex_stream.cli; "
+            "print([m for m in ('torch', 'scipy', 'personaplex_triton') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "[]"
 
 
 def test_parse_args_defaults():

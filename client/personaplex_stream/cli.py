@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from personaplex_triton import contract
-from personaplex_triton.audio import read_wav, write_wav
+from . import contract
+from .audio import read_wav, write_wav
 
 from .stream import DEFAULT_URL, Persona, StreamError, stream_conversation
 

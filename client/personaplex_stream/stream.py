@@ -8,8 +8,8 @@ response holding the agent's 80 ms of audio (AUDIO_OUT) and text piece (TEXT_OUT
 order; with `enable_empty_final_response` it may also send flag-only "final" responses,
 which carry no outputs and are skipped here.
 
-Only numpy, tritonclient and `personaplex_triton.contract` / `.audio` are imported: no
-torch.
+Only numpy and tritonclient are imported (and this package's `contract` and `audio`): no
+torch, no scipy, no server packages.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from personaplex_triton import contract
-from personaplex_triton.audio import split_frames
+from . import contract
+from .audio import split_frames
 
 __all__ = [
     "DEFAULT_URL",
@@ -276,7 +276,7 @@ def stream_conversation(
 ) -> ConversationResult:
     """Run one conversation: stream `audio` frame by frame and collect the agent's answer.
 
-    audio: float32 mono at 24 kHz (read other files with `personaplex_triton.audio.read_wav`);
+    audio: float32 mono at 24 kHz (read other files with `personaplex_stream.audio.read_wav`);
         it is cut into 1920-sample frames, the last one zero-padded.
     url: Triton's gRPC endpoint "host:port". model_name: the model to call ("ensemble").
     persona: options sent on the first request only; None sends none.

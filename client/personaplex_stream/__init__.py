@@ -12,8 +12,10 @@ library imports from here.
     print(result.text, result.summary())
 """
 
+from .live import LiveLine
 from .stream import (
     DEFAULT_URL,
+    AnsweredFrame,
     ConnectionLostError,
     ConversationResult,
     Persona,
@@ -31,8 +33,10 @@ from .stream import (
 
 __all__ = [
     "DEFAULT_URL",
+    "AnsweredFrame",
     "ConnectionLostError",
     "ConversationResult",
+    "LiveLine",
     "Persona",
     "ProtocolError",
     "ServerError",

@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_URL",
     "Persona",
     "ConversationResult",
+    "AnsweredFrame",
     "StreamError",
     "ServerUnreachableError",
     "ServerError",
@@ -199,6 +200,13 @@ class ConversationResult:
     def audio_seconds(self) -> float:
         return self.audio.size / contract.SAMPLE_RATE
 
+    @property
+    def real_time_factor(self) -> Optional[float]:
+        """Time to answer the whole input over its duration: for a paced stream about 1 when
+        the server keeps pace with the speaker and above 1 when it falls behind; unpaced, below 1
+        when the server is faster than real time."""
+        return self.wall_s / self.audio_seconds if self.frames_received else None
+
     def summary(self) -> dict:
         """JSON-ready figures of the conversation (floats rounded, None where unknown)."""
 
@@ -212,12 +220,24 @@ class ConversationResult:
             "frames_received": self.frames_received,
             "audio_seconds": r(self.audio_seconds, 3),
             "wall_s": r(self.wall_s, 3),
+            "real_time_factor": r(self.real_time_factor, 3),
             "first_audio_ms": r(self.first_audio_ms),
             "latency_ms_p50": r(p50),
             "latency_ms_p95": r(p95),
             "latency_ms_max": r(max(self.latencies_ms)) if self.latencies_ms else None,
             "text": self.text,
         }
+
+
+@dataclass(frozen=True)
+class AnsweredFrame:
+    """One frame's answer as it arrives: its index (from 0) of `total`, its latency (send to
+    answer) and the agent's text piece for it ("" mostly)."""
+
+    index: int
+    total: int
+    latency_ms: float
+    text: str
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -272,7 +292,7 @@ def stream_conversation(
     response_timeout_s: float = 60.0,
     connect_timeout_s: float = 10.0,
     check_ready: bool = True,
-    on_progress: Optional[Callable[[int, int], None]] = None,
+    on_frame: Optional[Callable[[AnsweredFrame], None]] = None,
 ) -> ConversationResult:
     """Run one conversation: stream `audio` frame by frame and collect the agent's answer.
 
@@ -288,8 +308,7 @@ def stream_conversation(
         response came for this long.
     connect_timeout_s: deadline of the liveness / readiness check made before streaming
         (skipped when `check_ready` is False).
-    on_progress: called as on_progress(frames_received, frames_total) after each response,
-        on the calling thread.
+    on_frame: called with each frame's AnsweredFrame as it arrives, on the calling thread.
 
     Raises ServerUnreachableError, ServerError (with the server's message),
     StreamTimeoutError, ProtocolError, or ValueError for empty audio. The stream is
@@ -367,8 +386,8 @@ def stream_conversation(
         state["received"] = i + 1
         state["last_event"] = t_recv
         last_recv = t_recv
-        if on_progress is not None:
-            on_progress(i + 1, n)
+        if on_frame is not None:
+            on_frame(AnsweredFrame(i, n, latencies_ms[-1], text_pieces[-1]))
 
     def wait_one(deadline: float) -> bool:
         """Handle one queued response, waiting until `deadline` at most. False on timeout."""

@@ -1,7 +1,7 @@
 """Stage 0 on Triton: decoupled, one response (agent codes + text) per input frame."""
 
 from personaplex_triton import contract, loaders
-from personaplex_triton.serving import TalkerService, pick_device, slots_log_line
+from personaplex_triton.serving import TalkerService, pick_device, slots_log_line, warmed_log_line
 from personaplex_triton.triton_adapter import (
     TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder, sequence_flags)
 
@@ -18,7 +18,7 @@ class TritonPythonModel:
             params.get("warm_personas", ""), params.get("dtype", "auto"), metrics=TritonMetrics(args["model_name"]))
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
-        log_info(f"{args['model_name']}: personas prefilled at load: {', '.join(self.service.warmed) or 'none'}")
+        log_info(warmed_log_line(args["model_name"], self.service.warmed))
         self.instance = args["model_instance_name"]
 
     def execute(self, requests):

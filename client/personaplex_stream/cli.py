@@ -19,7 +19,6 @@ from typing import Optional, Sequence
 
 from . import contract
 from .audio import read_wav, write_wav
-
 from .live import LiveLine
 from .stream import DEFAULT_URL, Persona, StreamError, stream_conversation
 

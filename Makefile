@@ -73,7 +73,7 @@ $(VENV)/.deploy-installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[deploy]'
 	touch $@
 
-# model_repository/*/config.pbtxt from the wire contract (contract.py, seam.py); a test checks them.
+# model_repository/*/config.pbtxt from the wire contract (client/personaplex_stream/contract.py, seam.py); a test checks them.
 configs: venv
 	$(PY) -m personaplex_triton.model_configs
 

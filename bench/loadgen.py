@@ -35,14 +35,15 @@ def conversations(url: str, frames: np.ndarray, n: int, log: Log, personas: list
     errors: list = []
     started = time.monotonic()
 
-    def progress(received, total):
-        if received % 25 == 0 or received == total:
-            log(f"  {received}/{total} frames of conversation 1 answered ({time.monotonic() - started:.0f} s)")
+    def progress(frame):
+        if (frame.index + 1) % 25 == 0 or frame.index + 1 == frame.total:
+            log(f"  {frame.index + 1}/{frame.total} frames of conversation 1 answered "
+                f"({time.monotonic() - started:.0f} s)")
 
     def talk(i):
         try:
             results[i] = stream_conversation(pcm, url=url, persona=personas[i], realtime=True,
-                                             check_ready=False, on_progress=progress if i == 0 else None)
+                                             check_ready=False, on_frame=progress if i == 0 else None)
         except Exception as exc:  # re-raised on the calling thread, naming the conversation
             errors.append((i, exc))
             results[i] = exc

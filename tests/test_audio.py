@@ -1,5 +1,7 @@
-"""Unit tests of personaplex_triton.audio (no server, no torch)."""
+"""Unit tests of personaplex_triton.audio and the client's personaplex_stream.audio under it
+(no server, no torch)."""
 
+import math
 import struct
 import wave
 
@@ -7,6 +9,7 @@ import numpy as np
 import pyloudnorm
 import pytest
 from scipy.io import wavfile
+from scipy.signal import resample_poly
 
 from personaplex_triton import audio
 from personaplex_triton.contract import FRAME_SAMPLES, SAMPLE_RATE
@@ -93,6 +96,18 @@ def test_read_resamples_to_requested_rate(tmp_path):
     pcm16k = audio.read_wav(path, sample_rate=16000)
     assert pcm16k.size == 16000
     assert abs(_peak_hz(pcm16k, 16000) - 300) < 2
+
+
+@pytest.mark.parametrize("orig, target", [(44100, 24000), (48000, 24000), (16000, 24000), (22050, 24000),
+                                           (8000, 24000), (24000, 16000)])
+def test_resample_is_scipys_resample_poly(orig, target):
+    """The client resamples with numpy alone, and gets what scipy's polyphase filter gives."""
+    pcm = np.random.default_rng(orig).uniform(-0.5, 0.5, orig // 2 + 37).astype(np.float32)
+    g = math.gcd(orig, target)
+    expected = resample_poly(pcm, target // g, orig // g)
+    got = audio.resample(pcm, orig, target)
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    assert np.max(np.abs(got - expected)) < 1e-6
 
 
 @pytest.mark.parametrize("kind", ["u8", "i16", "i24", "i32", "f32", "f64", "i24-extensible", "f32-extensible"])

@@ -122,7 +122,7 @@ def test_a_stopped_server_ends_its_conversations_and_the_survivor_takes_new_ones
     def talk(i):
         try:
             outcomes[i] = stream_conversation(pcm, url=nginx.url, persona=PERSONA, response_timeout_s=30,
-                                              on_progress=lambda received, _n: progress.__setitem__(i, received))
+                                              on_frame=lambda frame: progress.__setitem__(i, frame.index + 1))
         except StreamError as exc:
             outcomes[i] = exc
 

@@ -2,6 +2,7 @@
 and clear failures. Streaming itself is tested against a real tritonserver in
 test_integration.py."""
 
+import io
 import json
 import socket
 import subprocess
@@ -13,7 +14,9 @@ import pytest
 
 import personaplex_stream
 from personaplex_stream import (
+    AnsweredFrame,
     ConversationResult,
+    LiveLine,
     Persona,
     ServerError,
     ServerUnreachableError,
@@ -25,8 +28,8 @@ from personaplex_stream import (
     stream_conversation,
 )
 from personaplex_stream import cli
-from personaplex_triton import contract
-from personaplex_triton.audio import write_wav
+from personaplex_stream import contract
+from personaplex_stream.audio import write_wav
 
 N = contract.FRAME_SAMPLES
 
@@ -53,10 +56,11 @@ def test_public_api_exports():
         assert hasattr(personaplex_stream, name)
 
 
-def test_client_does_not_import_torch():
-    code = "import sys, personaplex_stream, personaplex_stream.cli; print('torch' in sys.modules)"
+def test_client_does_not_import_torch_or_scipy():
+    code = ("import sys, personaplex_stream, personaplex_stream.cli; "
+            "print([m for m in ('torch', 'scipy', 'personaplex_triton') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "[]"
 
 
 def test_parse_args_defaults():
@@ -126,9 +130,48 @@ def test_latency_percentiles_and_summary():
     assert s["frames_sent"] == 10 and s["frames_received"] == 10 and s["sequence_id"] == 5
     assert s["first_audio_ms"] == 10.0 and s["latency_ms_p50"] == 55.0 and s["latency_ms_p95"] == 95.5
     assert s["audio_seconds"] == pytest.approx(0.8) and s["text"] == "Hello there"
+    assert s["real_time_factor"] == pytest.approx(0.9 / 0.8)  # 0.9 s to answer 0.8 s of speech
     json.dumps(s)  # JSON-ready
     empty = ConversationResult(np.zeros(0, np.float32), [], 1, 0, 0, None)
-    assert empty.summary()["latency_ms_p50"] is None
+    assert empty.summary()["latency_ms_p50"] is None and empty.summary()["real_time_factor"] is None
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _frames(pieces):
+    return [AnsweredFrame(i, len(pieces), 100.0 + i, piece) for i, piece in enumerate(pieces)]
+
+
+def test_live_line_on_a_terminal_is_one_line_rewritten_to_its_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "50")
+    out = _Terminal()
+    live = LiveLine(out)
+    frames = _frames(["Hello", " there,", " how", " can", " I", " help", " you", " today", "?"])
+    for frame in frames:
+        live(frame)
+        time.sleep(0.11)  # past the 10-a-second bound: each frame is shown
+    live.end()
+    shown = out.getvalue()
+    assert shown.endswith("\n") and shown.count("\n") == 1
+    updates = shown.rstrip("\n").split("\r")[1:]
+    assert len(updates) == len(frames)
+    assert all(len(update) == 49 for update in updates)  # the width less one: no wrapping
+    assert updates[0].startswith("frame 1/9  latency 100 ms  text: Hello")
+    assert updates[-1].startswith("frame 9/9  latency 108 ms  text: ...") and updates[-1].rstrip().endswith("today?")
+
+
+def test_live_line_elsewhere_is_a_plain_line_now_and_then():
+    out = io.StringIO()
+    live = LiveLine(out, every_s=60)
+    for frame in _frames(["Hi", "", " there"]):
+        live(frame)
+    live.end()
+    assert "\r" not in out.getvalue()
+    assert out.getvalue().splitlines() == ["frame 1/3  latency 100 ms  text: Hi",
+                                           "frame 3/3  latency 102 ms  text: Hi there"]  # the first and the last
 
 
 def test_empty_audio_is_rejected():

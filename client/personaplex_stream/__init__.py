@@ -1,8 +1,10 @@
-"""personaplex_stream: a light client (numpy + tritonclient, no torch) that streams a
-conversation to PersonaPlex served on Triton Inference Server.
+"""personaplex_stream: a light client (numpy + tritonclient, no torch, no scipy) that streams
+a conversation to PersonaPlex served on Triton Inference Server. Installs on its own
+(`pip install ./client`); it also holds the wire contract (`contract`), which the server
+library imports from here.
 
     from personaplex_stream import Persona, stream_conversation
-    from personaplex_triton.audio import read_wav, write_wav
+    from personaplex_stream.audio import read_wav, write_wav
 
     result = stream_conversation(read_wav("user.wav"), url="localhost:8001",
                                  persona=Persona(voice="NATF0", text_prompt="You are ..."))
@@ -10,8 +12,10 @@ conversation to PersonaPlex served on Triton Inference Server.
     print(result.text, result.summary())
 """
 
+from .live import LiveLine
 from .stream import (
     DEFAULT_URL,
+    AnsweredFrame,
     ConnectionLostError,
     ConversationResult,
     Persona,
@@ -29,8 +33,10 @@ from .stream import (
 
 __all__ = [
     "DEFAULT_URL",
+    "AnsweredFrame",
     "ConnectionLostError",
     "ConversationResult",
+    "LiveLine",
     "Persona",
     "ProtocolError",
     "ServerError",

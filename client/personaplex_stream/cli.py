@@ -14,13 +14,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from personaplex_triton import contract
-from personaplex_triton.audio import read_wav, write_wav
-
+from . import contract
+from .audio import read_wav, write_wav
+from .live import LiveLine
 from .stream import DEFAULT_URL, Persona, StreamError, stream_conversation
 
 PROG = "personaplex-stream"
@@ -71,37 +70,6 @@ def text_output_path(args: argparse.Namespace) -> Path:
     return Path(args.text_output) if args.text_output else Path(args.output).with_suffix(".txt")
 
 
-class _Progress:
-    """A single updating line on stderr, at most ~10 updates a second."""
-
-    def __init__(self, stream=None, enabled: bool = True):
-        self._stream = stream
-        self.enabled = enabled
-        self._last = 0.0
-        self._shown = False
-
-    @property
-    def stream(self):
-        return self._stream if self._stream is not None else sys.stderr
-
-    def __call__(self, received: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if received < total and now - self._last < 0.1:
-            return
-        self._last = now
-        self.stream.write(f"\rframes received {received}/{total}")
-        self.stream.flush()
-        self._shown = True
-
-    def end(self) -> None:
-        if self._shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._shown = False
-
-
 def _fail(msg: str, code: int = 1) -> int:
     print(f"{PROG}: error: {' '.join(str(msg).split())}", file=sys.stderr)
     return code
@@ -130,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if pcm.size == 0:
         return _fail(f"input {args.input!r} contains no audio")
 
-    progress = _Progress(enabled=not args.no_progress)
+    live = LiveLine(sys.stderr)
     try:
         result = stream_conversation(
             pcm,
@@ -141,15 +109,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             realtime=args.realtime,
             max_in_flight=args.max_in_flight,
             response_timeout_s=args.timeout,
-            on_progress=progress,
+            on_frame=None if args.no_progress else live,
         )
     except (StreamError, ValueError) as exc:
-        progress.end()
+        live.end()
         return _fail(exc)
     except KeyboardInterrupt:
-        progress.end()
+        live.end()
         return _fail("interrupted", 130)
-    progress.end()
+    live.end()
 
     try:
         write_wav(out_path, result.audio, contract.SAMPLE_RATE)
@@ -163,6 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {out_path} ({result.frames_received} frames, {result.audio_seconds:.2f} s)", file=info)
     print(f"wrote {txt_path}", file=info)
     print(
+        f"real-time factor {result.real_time_factor:.2f}, "
         f"first audio {_fmt_ms(result.first_audio_ms)}, latency p50 {_fmt_ms(result.latency_ms_p50)}, "
         f"p95 {_fmt_ms(result.latency_ms_p95)}",
         file=info,

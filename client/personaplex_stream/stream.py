@@ -8,8 +8,8 @@ response holding the agent's 80 ms of audio (AUDIO_OUT) and text piece (TEXT_OUT
 order; with `enable_empty_final_response` it may also send flag-only "final" responses,
 which carry no outputs and are skipped here.
 
-Only numpy, tritonclient and `personaplex_triton.contract` / `.audio` are imported: no
-torch.
+Only numpy and tritonclient are imported (and this package's `contract` and `audio`): no
+torch, no scipy, no server packages.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from personaplex_triton import contract
-from personaplex_triton.audio import split_frames
+from . import contract
+from .audio import split_frames
 
 __all__ = [
     "DEFAULT_URL",
     "Persona",
     "ConversationResult",
+    "AnsweredFrame",
     "StreamError",
     "ServerUnreachableError",
     "ServerError",
@@ -199,6 +200,13 @@ class ConversationResult:
     def audio_seconds(self) -> float:
         return self.audio.size / contract.SAMPLE_RATE
 
+    @property
+    def real_time_factor(self) -> Optional[float]:
+        """Time to answer the whole input over its duration: for a paced stream about 1 when
+        the server keeps pace with the speaker and above 1 when it falls behind; unpaced, below 1
+        when the server is faster than real time."""
+        return self.wall_s / self.audio_seconds if self.frames_received else None
+
     def summary(self) -> dict:
         """JSON-ready figures of the conversation (floats rounded, None where unknown)."""
 
@@ -212,12 +220,24 @@ class ConversationResult:
             "frames_received": self.frames_received,
             "audio_seconds": r(self.audio_seconds, 3),
             "wall_s": r(self.wall_s, 3),
+            "real_time_factor": r(self.real_time_factor, 3),
             "first_audio_ms": r(self.first_audio_ms),
             "latency_ms_p50": r(p50),
             "latency_ms_p95": r(p95),
             "latency_ms_max": r(max(self.latencies_ms)) if self.latencies_ms else None,
             "text": self.text,
         }
+
+
+@dataclass(frozen=True)
+class AnsweredFrame:
+    """One frame's answer as it arrives: its index (from 0) of `total`, its latency (send to
+    answer) and the agent's text piece for it ("" mostly)."""
+
+    index: int
+    total: int
+    latency_ms: float
+    text: str
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -272,11 +292,11 @@ def stream_conversation(
     response_timeout_s: float = 60.0,
     connect_timeout_s: float = 10.0,
     check_ready: bool = True,
-    on_progress: Optional[Callable[[int, int], None]] = None,
+    on_frame: Optional[Callable[[AnsweredFrame], None]] = None,
 ) -> ConversationResult:
     """Run one conversation: stream `audio` frame by frame and collect the agent's answer.
 
-    audio: float32 mono at 24 kHz (read other files with `personaplex_triton.audio.read_wav`);
+    audio: float32 mono at 24 kHz (read other files with `personaplex_stream.audio.read_wav`);
         it is cut into 1920-sample frames, the last one zero-padded.
     url: Triton's gRPC endpoint "host:port". model_name: the model to call ("ensemble").
     persona: options sent on the first request only; None sends none.
@@ -288,8 +308,7 @@ def stream_conversation(
         response came for this long.
     connect_timeout_s: deadline of the liveness / readiness check made before streaming
         (skipped when `check_ready` is False).
-    on_progress: called as on_progress(frames_received, frames_total) after each response,
-        on the calling thread.
+    on_frame: called with each frame's AnsweredFrame as it arrives, on the calling thread.
 
     Raises ServerUnreachableError, ServerError (with the server's message),
     StreamTimeoutError, ProtocolError, or ValueError for empty audio. The stream is
@@ -367,8 +386,8 @@ def stream_conversation(
         state["received"] = i + 1
         state["last_event"] = t_recv
         last_recv = t_recv
-        if on_progress is not None:
-            on_progress(i + 1, n)
+        if on_frame is not None:
+            on_frame(AnsweredFrame(i, n, latencies_ms[-1], text_pieces[-1]))
 
     def wait_one(deadline: float) -> bool:
         """Handle one queued response, waiting until `deadline` at most. False on timeout."""

@@ -126,6 +126,17 @@ def slots_in_log(text: str) -> dict[str, int]:
     return {model: int(n) for model, n in re.findall(r"(\w+): (\d+) conversation slots \(", text)}
 
 
+def warmed_log_line(model: str, voices: list[str]) -> str:
+    """What the talker logs at load about the personas it prefilled; `warmed_in_log` reads it back."""
+    return f"{model}: personas prefilled at load: {', '.join(voices) or 'none'}"
+
+
+def warmed_in_log(text: str) -> list[str]:
+    """The voices prefilled at load (each with an empty role prompt), from a tritonserver log."""
+    found = re.search(r': personas prefilled at load: ([^"\n]*)', text)  # Triton quotes a model's log line
+    return [] if found is None or found.group(1).strip() == "none" else found.group(1).strip().split(", ")
+
+
 def pool_size(configured: int | str, device: str, cpu_default: int, on_gpu) -> tuple[int, str]:
     """A stage's conversation slots and why: the configured number; for "auto", `cpu_default`
     on a CPU and what `on_gpu()` returns ((slots, why)) on a GPU."""

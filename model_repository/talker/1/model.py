@@ -3,7 +3,7 @@
 import numpy as np
 
 from personaplex_triton import contract, loaders, seam
-from personaplex_triton.serving import TalkerService, pick_device, seam_frame, slots_log_line
+from personaplex_triton.serving import TalkerService, pick_device, seam_frame, slots_log_line, warmed_log_line
 from personaplex_triton.shutdown import Drain, OpenSequences, mark_finalized, register
 from personaplex_triton.triton_adapter import (
     TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder,
@@ -23,7 +23,7 @@ class TritonPythonModel:
             params.get("warm_personas", ""), params.get("dtype", "auto"), metrics=TritonMetrics(args["model_name"]))
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
-        log_info(f"{args['model_name']}: personas prefilled at load: {', '.join(self.service.warmed) or 'none'}")
+        log_info(warmed_log_line(args["model_name"], self.service.warmed))
         self.name, self.instance = args["model_name"], args["model_instance_name"]
         # A sequence idle for twice the reaper's wait has been ended by it, without a word to us.
         self.sequences = OpenSequences(forget_after_s=2 * sequence_idle_s(args))

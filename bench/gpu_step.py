@@ -77,6 +77,27 @@ def attention_agreement(lm, frames: int) -> dict:
             "steps_with_a_difference": len(differing_steps), "first_differing_steps": differing_steps[:10]}
 
 
+def new_persona_ms(talker, tokenizer) -> float:
+    """How long slot 0 takes to start with a persona it has not seen: a voice bundle of 200
+    frames (PersonaPlex ships about that) and a role prompt, all prefilled; median of 3."""
+    from personaplex_triton.persona import Persona, VoicePrompt
+    from personaplex_triton.sampling import SamplingParams
+    from personaplex_triton.talker import TalkerSetup
+
+    prompt = tuple(tokenizer.encode("You are a wise and friendly teacher. Answer questions or provide "
+                                    "advice in a clear and engaging way."))
+    times = []
+    for i in range(3):
+        voice = VoicePrompt(f"new-{i}", embeddings=0.02 * torch.randn(199, 1, 1, talker.lm.dim),
+                            cache=talker.generator.grid.cache[0].cpu().clone())
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        talker.start(0, TalkerSetup(Persona(voice, prompt), SamplingParams(seed=i)))
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 1)
+
+
 def timed(fn, steps):
     for _ in range(3):
         fn()
@@ -146,12 +167,15 @@ def main():
             raise SystemExit("ring attention is not available here (it needs CUDA and OpenAI Triton)")
         for s in range(pool):  # the first prefills the persona, the others start from the cache
             talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
+        prefill_ms = new_persona_ms(talker, tokenizer)
+        print(f"{attention} attention: a new persona's start (its prefill) {prefill_ms} ms", flush=True)
         for fill in args.fill:
             age(talker, fill)
             for slots in args.slots:  # the first `slots` slots tick: the step runs on their bucket
                 batch = {s: frames[s] for s in range(slots)}
                 torch.cuda.reset_peak_memory_stats()
                 rows.append({"attention": attention, "context_frames": fill, "slots": slots,
+                             "new_persona_start_ms": prefill_ms,
                              "talker_tick_ms": timed(lambda: talker.tick(batch), args.steps),
                              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
                 print(rows[-1], flush=True)
@@ -197,6 +221,9 @@ def write_report(report, out: Path, name: str) -> None:
         ratio = [f"{ms[1] / ms[0]:.2f}"] if len(ms) == 2 else []
         peak = max(tick[(a, fill, slots)]["peak_gib"] for a in attentions)
         lines.append(f"| {fill} | {slots} | " + " | ".join(map(str, ms + ratio)) + f" | {peak} |")
+    starts = sorted({(r["attention"], r.get("new_persona_start_ms")) for r in rows})
+    lines += ["", "A new persona's start (its prefill: a 200-frame voice bundle and a 20-token role prompt, "
+              "the pool idle): " + ", ".join(f"{ms} ms ({a} attention)" for a, ms in starts) + "."]
     lines += ["", "| live conversations | code2wav tick (ms) |", "| ---: | ---: |"]
     lines += [f"| {r['slots']} | {r['code2wav_tick_ms']} |" for r in report["code2wav"]]
     if report.get("agreement"):

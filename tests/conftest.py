@@ -3,7 +3,8 @@
 `tiny_checkpoint` is the folder named by the environment variable PERSONAPLEX_TEST_CHECKPOINT,
 used as is, or else the generated development checkpoint in the repository's (git-ignored)
 checkpoints/tiny, written by export/make_tiny_checkpoint.py on first use; either way its Mimi
-is exported to ONNX (export/export_mimi.py), so the stages run on ONNX Runtime as served. Both
+is exported to ONNX (export/export_mimi.py), so the stages run on ONNX Runtime as served
+(where `onnx` is installed: the GPU host's bundle has none, and its stages run Mimi on torch). Both
 tools are idempotent, so later sessions reuse their output at no cost. `files` is its
 `loaders.CheckpointFiles`; `server` is a real `tritonserver` serving it, one for every test
 module that talks to a server, with the admin APIs restricted to `ADMIN_KEY`.
@@ -44,7 +45,8 @@ def tiny_checkpoint(make_tiny) -> Path:
     checkpoint = Path(os.environ.get("PERSONAPLEX_TEST_CHECKPOINT") or TINY_CHECKPOINT_CACHE)
     if checkpoint == TINY_CHECKPOINT_CACHE:
         make_tiny.main(["--out", str(checkpoint)])
-    load_export_tool("export_mimi").main(["--checkpoint", str(checkpoint)])
+    if importlib.util.find_spec("onnx") is not None:  # absent from the GPU host's bundle: Mimi runs on torch there
+        load_export_tool("export_mimi").main(["--checkpoint", str(checkpoint)])
     return checkpoint
 
 

@@ -2,9 +2,11 @@
 
 For batch sizes (default 1 and 8 live conversations) it times one tick of the slot pool
 (`MimiSlots`, as the stages run it) on each runtime that can run on this machine, against
-moshi's own streaming Mimi in eager PyTorch (what the stages ran before the export); then the
+moshi's own streaming Mimi in eager PyTorch (what the stages ran before the export), at 1
+PyTorch thread and at every core (speed-ups are against the faster of the two); then the
 embedded default's whole frame for one conversation: talker tick (Mimi encode + temporal
-transformer + depformer) + code2wav tick, against the 80 ms a frame lasts.
+transformer + depformer) + code2wav tick, against the 80 ms a frame lasts. The runtimes and
+the frame run with the threads a stage's process uses (`serving.use_device_threads`).
 
     python -m bench.mimi_runtimes [--checkpoint DIR] [--batch 1 8] [--ticks 20] [--out bench/results]
 
@@ -32,10 +34,12 @@ from personaplex_triton import loaders  # noqa: E402
 from personaplex_triton.launch import REPO_ROOT  # noqa: E402
 from personaplex_triton.mimi_runtime import RUNTIMES, RuntimeUnavailable, open_step  # noqa: E402
 from personaplex_triton.mimi_stream import MimiSlots  # noqa: E402
+from personaplex_triton.serving import use_device_threads  # noqa: E402
 
 from . import report as run_report  # noqa: E402
 
 MOSHI_EAGER = "moshi eager"
+CORES = len(os.sched_getaffinity(0))
 FRAME_MS = 80.0
 
 
@@ -83,11 +87,19 @@ def time_runtimes(files, batches, ticks) -> list[dict]:
                 ms = median_ms(lambda: step(items), ticks)
                 rows.append({"stage": stage, "runtime": runner.runtime, "batch": batch, "tick_ms": ms})
                 print(rows[-1], flush=True)
-            with torch.no_grad(), mimi.streaming(batch):
-                ms = median_ms(moshi_step(mimi, stage, inputs(stage, batch, rng)), ticks)
-            rows.append({"stage": stage, "runtime": MOSHI_EAGER, "batch": batch, "tick_ms": ms})
-            print(rows[-1], flush=True)
+            served_threads = torch.get_num_threads()
+            for threads in sorted({1, CORES}):
+                torch.set_num_threads(threads)
+                with torch.no_grad(), mimi.streaming(batch):
+                    ms = median_ms(moshi_step(mimi, stage, inputs(stage, batch, rng)), ticks)
+                rows.append({"stage": stage, "runtime": moshi_label(threads), "batch": batch, "tick_ms": ms})
+                print(rows[-1], flush=True)
+            torch.set_num_threads(served_threads)
     return rows
+
+
+def moshi_label(threads: int) -> str:
+    return f"{MOSHI_EAGER}, {threads} thread{'s' if threads > 1 else ''}"
 
 
 def time_frame_budget(files, ticks) -> dict:
@@ -124,17 +136,20 @@ def write_report(report: dict, out: Path) -> None:
     rows, batches = report["rows"], report["batches"]
     runtimes = list(dict.fromkeys(r["runtime"] for r in rows))
     tick = {(r["stage"], r["runtime"], r["batch"]): r["tick_ms"] for r in rows}
+    moshi = {(stage, b): min(ms for (st, runtime, bb), ms in tick.items()
+                             if st == stage and bb == b and runtime.startswith(MOSHI_EAGER))
+             for stage in ("encoder", "decoder") for b in batches}
     lines = [f"# Mimi per-frame cost by runtime ({report['date']}, {report['machine']})", "",
              f"Checkpoint `{report['checkpoint']}` (full-size Mimi), commit {report['commit']}; "
-             f"median ms of {report['ticks']} ticks of the slot pool, every conversation with a frame. "
-             f"Command: `{report['command']}`.", "",
+             f"median ms of {report['ticks']} ticks of the slot pool, every conversation with a frame; "
+             f"load average {report['load_average']} at the start. Command: `{report['command']}`.", "",
              "| stage | runtime | " + " | ".join(f"batch {b}: tick (ms) | per frame (ms)" for b in batches)
-             + " | speed-up vs moshi eager, batch " + ", ".join(map(str, batches)) + " |",
+             + " | speed-up vs moshi eager (its faster thread count), batch " + ", ".join(map(str, batches)) + " |",
              "| --- | --- | " + " | ".join("---: | ---:" for _ in batches) + " | ---: |"]
     for stage in ("encoder", "decoder"):
         for runtime in runtimes:
             cells = [f"{tick[stage, runtime, b]} | {tick[stage, runtime, b] / b:.2f}" for b in batches]
-            ratios = ", ".join(f"{tick[stage, MOSHI_EAGER, b] / tick[stage, runtime, b]:.1f}x" for b in batches)
+            ratios = ", ".join(f"{moshi[stage, b] / tick[stage, runtime, b]:.1f}x" for b in batches)
             lines.append(f"| {stage} | {runtime} | " + " | ".join(cells) + f" | {ratios} |")
     budget = report["frame_budget"]
     lines += ["", f"One live conversation of the embedded default (Mimi encoder on {budget['encoder']}, "
@@ -174,8 +189,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     files = loaders.resolve_checkpoint(loaders.checkpoint_spec(args.checkpoint or ""))
     machine = run_report.machine()
-    report = {"date": date.today().isoformat(),
-              "machine": f"{machine['cpu']}, {machine['cores']} cores, torch threads {torch.get_num_threads()}",
+    use_device_threads("cpu")
+    report = {"date": date.today().isoformat(), "load_average": round(os.getloadavg()[0], 2),
+              "machine": f"{machine['cpu']}, {machine['cores']} cores, torch threads {torch.get_num_threads()} "
+                         f"(moshi eager: 1 and {CORES})",
               "checkpoint": run_report.checkpoint_label(str(files.root)),
               "commit": run_report.git_commit(), "torch": torch.__version__, "batches": args.batch, "ticks": args.ticks,
               "command": " ".join(["python -m bench.mimi_runtimes", *(sys.argv[1:] if argv is None else argv)]),

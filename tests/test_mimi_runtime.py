@@ -91,3 +91,21 @@ def test_export_metadata_and_cache(files, capsys):
     assert meta["inputs"][0] == {"name": "codes", "shape": ["batch", 8, 1], "dtype": "int64"}
     assert meta["outputs"][0] == {"name": "pcm", "shape": ["batch", 1, 1920], "dtype": "float32"}
     assert meta["self_check"]["max_abs_diff"] <= 1e-4
+
+
+def test_transposed_convs_as_matrix_products_match_torch(mimi):
+    """The steps' transposed convs (a matrix product and an overlap-add, which ONNX Runtime runs
+    far faster than its ConvTranspose) against the modules' own ConvTranspose1d: the decoder's
+    upsampling convs and the depthwise 2x upsampler, at batch 3 and a few lengths."""
+    from moshi.modules.conv import StreamingConvTranspose1d
+
+    from personaplex_triton.mimi_steps import _transposed_conv
+
+    convs = [m.convtr.convtr for m in mimi.modules() if isinstance(m, StreamingConvTranspose1d)]
+    assert len(convs) == 5 and any(conv.groups > 1 for conv in convs)
+    gen = torch.Generator().manual_seed(0)
+    for conv in convs:
+        for length in (1, 2, 7):
+            x = torch.randn(3, conv.in_channels, length, generator=gen)
+            with torch.no_grad():
+                torch.testing.assert_close(_transposed_conv(conv, x), conv(x), atol=2e-5, rtol=1e-4)

@@ -8,7 +8,7 @@ from personaplex_triton import loaders
 from personaplex_triton.generation import StepInputs
 from personaplex_triton.mimi_runtime import open_step
 from personaplex_triton.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
-from personaplex_triton.sampling import SamplingParams
+from personaplex_triton.sampling import SamplingParams, exponential_noise, sample, uniform
 from personaplex_triton.talker import Talker, TalkerSetup, make_voice_bundle, prefill_program
 
 NUM_SLOTS = 3
@@ -248,3 +248,53 @@ def test_batched_prefill_equals_step_by_step(talker, wav_voice, user_frames, voi
     assert answers[0] == answers[1]
     talker.stop(0)
     talker.stop(1)
+
+
+def test_sampling_noise_is_the_per_channel_hash():
+    """The noise of all 17 channels of a step, drawn at once, holds the draws each sampling call
+    made for itself before (recorded from that code: (seed, step, channel, column) hashes), and
+    a draw depends on neither the number of columns nor of channels computed."""
+    seed, step = torch.tensor([0, 7, 2**40 + 3]), torch.tensor([1, 5, 9])
+    recorded = {0: [[1461123477, 3144699569, 4044968883], [2408606927, 3357163072, 1639439167],
+                    [1735736726, 1924257447, 664214899]],
+                16: [[320986070, 3887548909, 3097972219], [3381589791, 2309931406, 969301220],
+                     [1609779643, 695499469, 2005300739]]}
+    drawn = uniform(seed, step, 17, 500)
+    for channel, hashes in recorded.items():
+        assert torch.equal(drawn[:, channel, :3], (torch.tensor(hashes, dtype=torch.float64) + 0.5) / 2.0**32)
+    assert torch.equal(uniform(seed, step, 4, 25), drawn[:, :4, :25])
+    assert torch.equal(exponential_noise(seed, step, 17, 500), -torch.log(drawn).float())
+
+
+def moshi_depformer(generator):
+    """The depformer as the generator ran it before its streaming bookkeeping was written out:
+    moshi's `LMModel.forward_depformer`, one codebook a call, in a fresh `depformer.streaming`."""
+    lm = generator.lm
+
+    def depformer(transformer_out, first_input, forced, forced_mask, noise):
+        smp = generator.sampling.rows(first_input.shape[0])
+        tokens, prev = [], first_input
+        with lm.depformer.streaming(first_input.shape[0]):
+            for cb in range(lm.dep_q):
+                logits = lm.forward_depformer(cb, prev[:, None, None], transformer_out)[:, 0, 0]
+                tokens.append(sample(logits, smp.greedy, smp.temperature, smp.top_k, noise[:, cb],
+                                     generator.top_k_bound))
+                prev = torch.where(forced_mask[:, cb], forced[:, cb], tokens[-1])
+        return torch.stack(tokens, dim=1)
+
+    return depformer
+
+
+def test_depformer_equals_moshis(talker, wav_voice, user_frames, monkeypatch):
+    """The depformer with its bookkeeping written out gives moshi's tokens: greedy and sampled,
+    beside another conversation, whose forced-free rows differ."""
+    noise = np.random.default_rng(4).standard_normal((len(user_frames), 1920)).astype(np.float32) * 0.2
+
+    def conversations():
+        return [converse(talker, 0, setup(wav_voice, **params), user_frames,
+                         others=[(1, setup(wav_voice, seed=3), noise)])
+                for params in (dict(greedy=True), dict(seed=8))]
+
+    ours = conversations()
+    monkeypatch.setattr(talker.generator, "_depformer", moshi_depformer(talker.generator))
+    assert conversations() == ours

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 from moshi.utils.compile import CUDAGraphed
+from torch.nn import functional as F
 
 from . import loaders, ring_attention
-from .sampling import SamplingParams, SlotSampling, sample
+from .sampling import SamplingParams, SlotSampling, exponential_noise, sample
 from .slot_states import SlotStates
 from .token_grid import NUM_AUDIO, TokenGrid
 PREFILL_CHUNK = 256  # prefill positions per transformer pass
@@ -222,27 +223,47 @@ class SlotGenerator:
         """Temporal transformer on the input embeddings [S, 1, dim], then the text token and
         the 16 depformer codebooks: [S, 17] sampled tokens of position `step`."""
         lm, smp = self.lm, self.sampling.rows(emb.shape[0])
+        noise = exponential_noise(smp.seed, step, self.num_codebooks, max(self.top_k_text_bound, self.top_k_bound))
         transformer_out = lm.transformer(emb)
         if lm.out_norm:
             transformer_out = lm.out_norm(transformer_out)
         text_logits = lm.text_linear(transformer_out)[:, 0]
-        text = sample(text_logits, smp.greedy, smp.temperature_text, smp.top_k_text,
-                      smp.seed, step, 0, self.top_k_text_bound)
+        text = sample(text_logits, smp.greedy, smp.temperature_text, smp.top_k_text, noise[:, 0],
+                      self.top_k_text_bound)
         first = torch.where(target_provided[:, 0], target[:, 0], text)
-        audio = self._depformer(transformer_out, first, target[:, 1:], target_provided[:, 1:], step)
+        audio = self._depformer(transformer_out, first, target[:, 1:], target_provided[:, 1:], noise[:, 1:])
         return torch.cat([text[:, None], audio], dim=1)
 
-    def _depformer(self, transformer_out, first_input, forced, forced_mask, step):
+    def _depformer(self, transformer_out, first_input, forced, forced_mask, noise):
+        """The depformer over the 16 codebooks of one position, on moshi's modules and weights
+        (`LMModel.forward_depformer` in a fresh `depformer.streaming`), with its streaming
+        bookkeeping written out: each layer's keys and values of the codebooks so far sit in
+        one buffer that attention reads up to the current codebook, where moshi keeps a ring
+        KV cache, per-row offsets and a mask for each layer and call (most of a CPU step's
+        time at small widths)."""
         lm, smp = self.lm, self.sampling.rows(first_input.shape[0])
+        b, steps = first_input.shape[0], lm.dep_q
+        layers = lm.depformer.layers
+        heads = layers[0].self_attn.num_heads
+        head_dim = layers[0].self_attn.embed_dim // heads
+        kv = transformer_out.new_empty((len(layers), 2, b, heads, steps, head_dim))
         tokens = []
         prev = first_input
-        with lm.depformer.streaming(first_input.shape[0]):
-            for cb in range(lm.dep_q):
-                logits = lm.forward_depformer(cb, prev[:, None, None], transformer_out)[:, 0, 0]
-                token = sample(logits, smp.greedy, smp.temperature, smp.top_k,
-                               smp.seed, step, 1 + cb, self.top_k_bound)
-                tokens.append(token)
-                prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
+        for cb in range(steps):
+            token_emb = lm.depformer_text_emb if cb == 0 else lm.depformer_emb[cb - 1]
+            x = lm.depformer_in[cb](transformer_out) + token_emb(prev[:, None])
+            for layer, (keys, values) in zip(layers, kv):
+                attn = layer.self_attn
+                q, k, v = attn.in_projs[cb](layer.norm1(x)).view(b, 1, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+                keys[:, :, cb:cb + 1] = k
+                values[:, :, cb:cb + 1] = v
+                out = F.scaled_dot_product_attention(q, keys[:, :, :cb + 1], values[:, :, :cb + 1])
+                x = x + attn.out_projs[cb](out.transpose(1, 2).reshape(b, 1, heads * head_dim))
+                x = x + layer.gating[cb](layer.norm2(x))
+            logits = lm.linears[cb](lm.depformer_norms[cb](x))[:, 0]
+            token = sample(logits, smp.greedy, smp.temperature, smp.top_k, noise[:, cb], self.top_k_bound)
+            tokens.append(token)
+            prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
         return torch.stack(tokens, dim=1)
 
 

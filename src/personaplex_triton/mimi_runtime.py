@@ -12,6 +12,7 @@ on a GPU, TensorRT or PyTorch keep Mimi there), PyTorch (always), unless one is 
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,7 +125,7 @@ class OnnxRuntimeRunner(StepRunner):
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = torch.get_num_threads()
+        options.intra_op_num_threads = len(os.sched_getaffinity(0))
         # Idle threads sleep rather than spin: both stages and the LM share the same cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

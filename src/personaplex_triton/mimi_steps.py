@@ -76,11 +76,37 @@ def _conv(conv: StreamingConv1d, x: torch.Tensor, io: _StateIO, first: torch.Ten
     return conv.conv(x)
 
 
+def _transposed_conv(inner: nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    """`inner(x)` as one matrix product (an elementwise one when depthwise) and an overlap-add.
+    ONNX Runtime's ConvTranspose on the CPU ran the decoder's upsampling at a few GMAC/s and
+    streamed its weights once per stream of the batch; here the product is [B * L, C_in] @
+    [C_in, C_out * kernel], one pass over the weights for the whole batch."""
+    B, _, L = x.shape
+    k, s = inner.kernel_size[0], inner.stride[0]
+    c_out, overlaps = inner.out_channels, -(-k // s)  # overlaps: input steps an output block sums
+    if inner.padding[0] or inner.dilation[0] != 1 or inner.output_padding[0]:
+        raise TypeError("Mimi's transposed convs: no padding, no dilation")
+    weight = F.pad(inner.weight, (0, overlaps * s - k))  # [C_in, C_out / groups, overlaps * s]
+    if inner.groups == 1:
+        # 2-D, so that ONNX Runtime runs one GEMM (a transposed 3-D operand became a FusedMatMul
+        # that ran per stream)
+        z = x.transpose(1, 2).reshape(B * L, -1) @ weight.flatten(1)  # [B * L, C_out * overlaps * s]
+    elif inner.groups == inner.in_channels == c_out:
+        z = x.transpose(1, 2)[..., None] * weight[:, 0]  # [B, L, C, overlaps * s]
+    else:
+        raise TypeError("Mimi's transposed convs: plain or depthwise")
+    z = z.reshape(B, L, c_out, overlaps, s)
+    # output block t + i (s samples) gets input step t's i-th slice of the kernel
+    blocks = sum(F.pad(z[:, :, :, i], (0, 0, 0, 0, i, overlaps - 1 - i)) for i in range(overlaps))
+    y = blocks.permute(0, 2, 1, 3).reshape(B, c_out, (L + overlaps - 1) * s)[..., :(L - 1) * s + k]
+    return y if inner.bias is None else y + inner.bias[:, None]
+
+
 def _conv_transpose(convtr: StreamingConvTranspose1d, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
     inner = convtr.convtr.convtr
     overlap = convtr._kernel_size - convtr._stride
     partial = io.take(inner.out_channels, overlap)
-    y = convtr.convtr(x)
+    y = _transposed_conv(inner, x)
     y = torch.cat([y[..., :overlap] + partial, y[..., overlap:]], dim=-1)
     tail = y[..., y.shape[-1] - overlap:]
     io.give(tail if inner.bias is None else tail - inner.bias[:, None])
@@ -117,10 +143,11 @@ def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, offset: 
     q, k, v = attn.in_projs[0](layer.norm1(x)).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
     q, k = attn.rope(q, k, offset, time_before_heads=False)
 
-    window = io.take(2, H, context, D)
-    keys = torch.cat([window[:, 0], k], dim=2)[:, :, T:]
-    values = torch.cat([window[:, 1], v], dim=2)[:, :, T:]
-    io.give(torch.stack([keys, values], dim=1))
+    # keys and values in two states: one window of both cost a split and a stack (copies) a step
+    keys = torch.cat([io.take(H, context, D), k], dim=2)[:, :, T:]
+    values = torch.cat([io.take(H, context, D), v], dim=2)[:, :, T:]
+    io.give(keys)
+    io.give(values)
 
     steps = torch.arange(context, device=x.device) - context
     pos_k = offset.view(B, 1) + T + steps                                 # [B, context]

@@ -28,15 +28,23 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniform(seed: torch.Tensor, step: torch.Tensor, channel: int, n: int) -> torch.Tensor:
-    """[B, n] floats in (0, 1), a pure function of (seed[b], step[b], channel, column)."""
+def uniform(seed: torch.Tensor, step: torch.Tensor, channels: int, n: int) -> torch.Tensor:
+    """[B, channels, n] floats in (0, 1), each a pure function of (seed[b], step[b], channel,
+    column): a row's draws do not depend on how many columns or channels are computed."""
     h = _fmix32(seed & _MASK32)
     h = _fmix32(h ^ ((seed >> 32) & _MASK32))
     h = _fmix32(h ^ (step & _MASK32))
-    h = _fmix32(h ^ channel)
+    channel = torch.arange(channels, device=seed.device, dtype=torch.long)
+    h = _fmix32(h[:, None] ^ channel[None, :])
     col = torch.arange(n, device=seed.device, dtype=torch.long)
-    h = _fmix32(h[:, None] ^ col[None, :])
+    h = _fmix32(h[:, :, None] ^ col[None, None, :])
     return (h.to(torch.float64) + 0.5) / 2.0**32
+
+
+def exponential_noise(seed: torch.Tensor, step: torch.Tensor, channels: int, n: int) -> torch.Tensor:
+    """[B, channels, n] float32 -log(uniform): the exponential race's noise of every channel of
+    a step at once, so that each of a step's sampling calls costs no hashing of its own."""
+    return -torch.log(uniform(seed, step, channels, n)).float()
 
 
 @dataclass
@@ -95,12 +103,11 @@ def sample(
     greedy: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
-    seed: torch.Tensor,
-    step: torch.Tensor,
-    channel: int,
+    noise: torch.Tensor,
     max_top_k: int,
 ) -> torch.Tensor:
-    """One token per row of logits [B, V]; every argument but the last two is per row."""
+    """One token per row of logits [B, V]; every argument but the last is per row. `noise`:
+    the row's channel of `exponential_noise`, at least min(max_top_k, V) columns."""
     logits = logits.float()
     argmax = logits.argmax(dim=-1)
     k = min(max_top_k, logits.shape[-1])
@@ -108,6 +115,6 @@ def sample(
     probs = torch.softmax(top_logits, dim=-1)
     ranks = torch.arange(k, device=logits.device)
     probs = torch.where(ranks[None, :] < top_k[:, None], probs, torch.zeros_like(probs))
-    race = probs / -torch.log(uniform(seed, step, channel, k)).float()
+    race = probs / noise[:, :k]
     drawn = top_index.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
     return torch.where(greedy, argmax, drawn)

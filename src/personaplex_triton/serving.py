@@ -52,6 +52,14 @@ def pick_device(configured: str = "auto", gpu_index: int | None = None) -> str:
     return "cuda" if gpu_index is None else f"cuda:{gpu_index}"
 
 
+def use_device_threads(device: str) -> None:
+    """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        torch.set_num_threads(loaders.CPU_TORCH_THREADS)
+
+
 def audio_frames(audio: np.ndarray | None) -> np.ndarray:
     """AUDIO_IN -> [n, FRAME_SAMPLES] float32, or InputError saying what is wrong."""
     if audio is None:
@@ -160,6 +168,7 @@ class TalkerService:
         from .talker import Talker, conversations_that_fit
 
         self.metrics = metrics or Metrics()
+        use_device_threads(device)
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
         self.mimi = open_step("encoder", files, mimi_runtime, device)
@@ -269,6 +278,7 @@ class Code2WavService:
         from .mimi_runtime import open_step
 
         self.metrics = metrics or Metrics()
+        use_device_threads(device)
         files = loaders.resolve_checkpoint(checkpoint)
         self.mimi = open_step("decoder", files, mimi_runtime, device)
         self.slots, self.slots_why = pool_size(

@@ -422,3 +422,41 @@ def test_draining_finishes_pending_requests_and_refuses_new_ones():
     assert not draining.is_alive() and time.monotonic() - started < 10  # not the 30 s drain bound
     assert [o[0] for o in pending.outputs] == ["x", "y"] and pending.errors == [None]
     assert ended.errors == [None] and not engine.is_open(1)
+
+
+def test_conversations_starting_count_as_prefilling():
+    """A stage's start plays the persona's prefill: the prefilling gauge counts it meanwhile."""
+
+    class SlowStart(CountingStage):
+        def __init__(self, num_slots):
+            super().__init__(num_slots)
+            self.started = threading.Event()
+            self.release = threading.Event()
+
+        def start(self, slot, setup):
+            super().start(slot, setup)
+            self.started.set()
+            self.release.wait(30)
+
+    class Gauges(Metrics):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def conversations(self, active, prefilling):
+            self.seen.append((active, prefilling))
+
+    stage, gauges = SlowStart(2), Gauges()
+    engine = SlotEngine(stage, metrics=gauges)
+    try:
+        engine.open(1, None)
+        assert stage.started.wait(10)
+        assert gauges.seen[-1] == (1, 1)
+        stage.release.set()
+        deadline = time.monotonic() + 10
+        while gauges.seen[-1] != (1, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gauges.seen[-1] == (1, 0)
+    finally:
+        stage.release.set()
+        engine.shutdown()

@@ -315,6 +315,8 @@ class SlotEngine:
             self._answer(done, None)
         self._beat(now)
         self._poll_cancelled(now)
+        if starting:  # a stage's start plays the persona's prefill: count those as prefilling meanwhile
+            self._report_occupancy(starting=len(starting))
         for conv in starting:
             self._start(conv)
         with self._cond:
@@ -347,10 +349,10 @@ class SlotEngine:
                 log.info("%s: conversation %s was cancelled by its client; freeing its slot", self.name, conv.key)
                 self._fail(conv, "the request was cancelled", reasons.CANCELLED)
 
-    def _report_occupancy(self) -> None:
+    def _report_occupancy(self, starting: int = 0) -> None:
         with self._cond:
             live = [c.slot for c in self._all if c.slot is not None]
-            occupancy = (len(live), sum(self.stage.prefilling(s) for s in live))
+            occupancy = (len(live), starting + sum(self.stage.prefilling(s) for s in live))
         if occupancy != self._occupancy:
             self._occupancy = occupancy
             self.metrics.conversations(*occupancy)

@@ -27,7 +27,6 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_triton import contract
 from personaplex_triton.launch import MODEL_REPOSITORY, REPO_ROOT, TritonServer
+from personaplex_triton.metrics import scrape
 
 from . import report
 
@@ -139,15 +139,8 @@ def conversation(url: str, sequence_id: int, rng: random.Random, tally: Tally) -
         client.close()
 
 
-def scrape(server) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {series: float(value) for series, value in
-            (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("personaplex_"))}
-
-
 def sample(server, started: float, tally: Tally) -> dict:
-    metrics = scrape(server)
+    metrics = scrape(server.metrics_url)
     with tally.lock:
         errors = tally.counts["unexpected_errors"]
     return {"t_s": round(time.monotonic() - started, 1), "rss_mb": round(server.rss_bytes() / 2**20, 1),
@@ -203,7 +196,7 @@ def run(minutes: float, workers: int, idle_timeout_s: float, warmup_s: float, sa
                     break
                 time.sleep(sample_s)
             log(f"soak after the load {samples[-1]}")
-            final_metrics = scrape(server)
+            final_metrics = scrape(server.metrics_url)
             info = report.server_info(server.grpc_url, server_log)
             alive_at_end = server.process.poll() is None
     warm = next((s for s in samples if s["t_s"] >= warmup_s), samples[0])

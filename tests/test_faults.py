@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton import contract, health, loaders
+from personaplex_triton.metrics import scrape
 from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer, child_processes
 from triton_requests import raw_request, tensor, voice_input
 
@@ -78,20 +78,8 @@ class Beside:
         np.testing.assert_allclose(self.result.audio, alone.audio, atol=1e-4)
 
 
-def scrape(server) -> dict[str, float]:
-    """`name{labels}` -> value of every sample on the metrics endpoint."""
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            samples[series] = float(value)
-    return samples
-
-
 def active(server, model="talker") -> float:
-    return scrape(server)[f'personaplex_conversations_active{{model="{model}"}}']
+    return scrape(server.metrics_url)[f'personaplex_conversations_active{{model="{model}"}}']
 
 
 def wait_for(condition, timeout_s: float) -> bool:
@@ -171,7 +159,7 @@ def test_vanished_client_frees_its_slot(faulty):
 
 
 def test_metrics_on_the_prometheus_endpoint(faulty):
-    samples = scrape(faulty)
+    samples = scrape(faulty.metrics_url)
     for model in ("talker", "code2wav"):
         label = f'{{model="{model}"}}'
         assert samples[f"personaplex_frames_total{label}"] > 0

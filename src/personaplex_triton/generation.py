@@ -150,7 +150,7 @@ class SlotGenerator:
         rows without output (inactive, or still inside the delays) hold garbage.
         """
         b = inputs.active.shape[0]
-        o, emb, target, target_provided = self._read(self.grid, slice(0, b), inputs)
+        o, emb, target, target_provided = self._read(slice(0, b), inputs)
         exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
         exec_mask[:b] = inputs.active
         self.lm.set_exec_mask(exec_mask)
@@ -195,9 +195,9 @@ class SlotGenerator:
                 self.lm.transformer(chunk)
         return embeddings
 
-    def _read(self, grid: TokenGrid, rows: slice, inputs: StepInputs):
+    def _read(self, rows: slice, inputs: StepInputs):
         """The grid's read of a step: (o, input embeddings [b, 1, dim], target, target provided)."""
-        o, previous, target, target_provided = grid.read(rows, inputs.active, *_forced(inputs, grid.device))
+        o, previous, target, target_provided = self.grid.read(rows, inputs.active, *_forced(inputs, self.device))
         emb = self.embed(previous)
         if inputs.embeddings is not None:
             emb = torch.where(inputs.embed_rows[:, None, None], inputs.embeddings.to(emb), emb)

@@ -6,6 +6,8 @@ Prometheus endpoint (`:8002/metrics`), each series labelled with the model's nam
 
 from __future__ import annotations
 
+import urllib.request
+
 # name: (kind, description); the README's "Metrics" lists the same.
 FAMILIES = {
     "personaplex_conversations_active": ("gauge", "Conversations holding a slot"),
@@ -29,6 +31,18 @@ LOST_FRAME = "lost_frame"            # a frame index out of order between the st
 CANCELLED = "cancelled"              # the client went away
 INTERNAL = "internal"                # a failed step or send
 UNAVAILABLE = "unavailable"          # shutting down, or the engine stopped
+
+
+def scrape(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """`name{labels}` -> value of every sample on a Prometheus endpoint (`host:port`)."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            samples[series] = float(value)
+    return samples
 
 
 class Metrics:

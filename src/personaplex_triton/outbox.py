@@ -22,7 +22,6 @@ class Outbox:
         self._deliver = deliver
         self._batches: deque = deque()
         self._cond = threading.Condition()
-        self._busy = False
         self._open = True
         self._thread = threading.Thread(target=self._loop, name=f"{name}-outbox", daemon=True)
         self._thread.start()
@@ -31,11 +30,6 @@ class Outbox:
         with self._cond:
             self._batches.append(batch)
             self._cond.notify_all()
-
-    def idle(self) -> bool:
-        """Nothing waiting and nothing being delivered."""
-        with self._cond:
-            return not self._batches and not self._busy
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what was put, then stop the thread."""
@@ -53,12 +47,7 @@ class Outbox:
                 if not self._batches:
                     return
                 batch = self._batches.popleft()
-                self._busy = True
             try:
                 self._deliver(batch)
             except Exception:  # a delivery owns its errors; this thread must go on
                 log.exception("delivering answers failed")
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()

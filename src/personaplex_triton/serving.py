@@ -190,10 +190,10 @@ class TalkerService:
 
         names = self.personas.files.voice_names() if voices.strip() == "all" else \
             [name.strip() for name in voices.split(",") if name.strip()]
-        for name in names[:self.talker.persona_cache.capacity]:
+        self.warmed = names[:self.talker.persona_cache.capacity]
+        for name in self.warmed:
             self.talker.start(0, TalkerSetup(self.personas.persona(name, ""), SamplingParams()))
             self.talker.stop(0)
-        self.warmed = names[:self.talker.persona_cache.capacity]
         return self.warmed
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,

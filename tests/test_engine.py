@@ -460,3 +460,22 @@ def test_conversations_starting_count_as_prefilling():
     finally:
         stage.release.set()
         engine.shutdown()
+
+
+def test_a_delivery_that_breaks_errors_every_pending_request():
+    """Answers leave from the outbox's thread; if delivering breaks where no send is to blame
+    (here the metrics), every pending request gets an error and the engine reports unhealthy,
+    as when its own loop dies: no request waits in silence."""
+
+    class BrokenMetrics(Metrics):
+        def frame_answered(self, latency_s):
+            raise RuntimeError("metrics backend gone")
+
+    engine = SlotEngine(CountingStage(2), metrics=BrokenMetrics())
+    try:
+        engine.open(1, None)
+        c = run(engine, 1, ["x", "y"])
+        assert c.errors and "answers stopped" in c.errors[0] and "metrics backend gone" in c.errors[0]
+        assert not engine.healthy
+    finally:
+        engine.shutdown()

@@ -9,8 +9,9 @@ for the sends.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations
-in it; the loop goes on. If the loop itself dies, or the engine shuts down, every pending
-request gets an error and `failure` says why (the model's health signal).
+in it; the loop goes on. If the loop itself or the outbox's delivery dies, or the engine
+shuts down, every pending request gets an error and `failure` says why (the model's health
+signal).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class SlotEngine:
         self._last_cancel_poll = self._last_beat = 0.0
         self._occupancy: tuple[int, int] | None = None
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
-        self._outbox = Outbox(name, self._deliver)
+        self._outbox = Outbox(name, self._deliver, lambda exc: self._stop_all(
+            f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE))
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 

@@ -3,7 +3,9 @@
 A Python-backend model answers one response at a time: at 64 conversations a talker tick's 64
 sends took 13 ms on the H200, time in which the GPU sat idle. The engine puts each tick's
 answers here and starts its next tick at once; this thread delivers them in the order they
-were put, so a conversation's frames still leave in order.
+were put, so a conversation's frames still leave in order. A delivery that fails outside what
+it handles itself goes to `on_failure`: the engine then errors every pending request, as when
+its own loop dies, so no request waits in silence.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    def __init__(self, name: str, deliver: Callable[[Any], None]):
-        """`deliver(batch)` is called on the outbox's thread for each batch put, in order."""
+    def __init__(self, name: str, deliver: Callable[[Any], None], on_failure: Callable[[Exception], None]):
+        """`deliver(batch)` is called on the outbox's thread for each batch put, in order;
+        `on_failure(exc)` when it raises."""
         self._deliver = deliver
+        self._on_failure = on_failure
         self._batches: deque = deque()
         self._cond = threading.Condition()
         self._open = True
@@ -49,5 +53,6 @@ class Outbox:
                 batch = self._batches.popleft()
             try:
                 self._deliver(batch)
-            except Exception:  # a delivery owns its errors; this thread must go on
+            except Exception as exc:
                 log.exception("delivering answers failed")
+                self._on_failure(exc)

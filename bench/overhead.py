@@ -52,8 +52,8 @@ class InProcessPipeline:
             latencies.append((value - sent) * 1000.0)
         return latencies
 
-    def _to_code2wav(self, seam_outputs: dict) -> None:
-        self.code2wav.handle(seam_outputs, lambda _audio: self._answers.put(("audio", time.perf_counter())),
+    def _to_code2wav(self, seam_outputs: dict, _last: bool) -> None:
+        self.code2wav.handle(seam_outputs, lambda _audio, _last: self._answers.put(("audio", time.perf_counter())),
                              self._failed)
 
     def _failed(self, error: str | None) -> None:

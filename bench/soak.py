@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from personaplex_stream import is_final_response
 
 from personaplex_triton import contract
 from personaplex_triton.launch import MODEL_REPOSITORY, REPO_ROOT, TritonServer
@@ -93,7 +94,7 @@ def conversation(url: str, sequence_id: int, rng: random.Random, tally: Tally) -
                 return frames, str(error)
             if result.get_response().outputs:
                 frames += 1
-            else:
+            if is_final_response(result):
                 return frames, None
 
     try:

@@ -47,12 +47,13 @@ class CountingStage:
 
 class Collector:
     def __init__(self):
-        self.outputs, self.indices, self.errors = [], [], []
+        self.outputs, self.indices, self.lasts, self.errors = [], [], [], []
         self.done = threading.Event()
 
-    def on_output(self, output, index):
+    def on_output(self, output, index, last):
         self.outputs.append(output)
         self.indices.append(index)
+        self.lasts.append(last)
 
     def on_done(self, error):
         self.errors.append(error)
@@ -81,6 +82,7 @@ def test_items_answered_once_each_in_order(engine):
     engine.open(1, None)
     c = run(engine, 1, list(range(5)))
     assert c.outputs == [(i, i + 1) for i in range(5)]
+    assert c.lasts == [False] * 4 + [True]  # the last output completes the request
     assert c.errors == [None]
     c = run(engine, 1, [10, 11])
     assert c.outputs == [(10, 6), (11, 7)]
@@ -114,7 +116,7 @@ def test_slot_limit_and_release(engine):
         engine.open(1, None)
     run(engine, 1, [1], close=True)
     with pytest.raises(ConversationError, match="not open"):
-        engine.submit(1, [2], lambda o, i: None, lambda e: None)
+        engine.submit(1, [2], lambda o, i, last: None, lambda e: None)
     engine.open(3, None)  # at once: the closed conversation's slot is as good as free
     assert sorted(engine.open_keys()) == [2, 3]
     assert run(engine, 3, ["x"]).outputs == [("x", 1)]
@@ -219,7 +221,7 @@ def test_failing_send_ends_only_its_conversation(engine):
     engine.open(2, None)
     bad, good = Collector(), Collector()
 
-    def broken(output, index):
+    def broken(output, index, last):
         raise RuntimeError("client gone")
 
     engine.submit(1, [1, 2, 3], broken, bad.on_done)
@@ -371,14 +373,14 @@ def test_frame_index_gap_ends_the_conversation(engine):
     engine.open(1, None)
     run(engine, 1, ["a"])
     with pytest.raises(ConversationError, match="frame 3 of conversation 1 arrived where frame 1 was due"):
-        engine.submit(1, ["b"], lambda o, i: None, lambda e: None, first_index=3)
+        engine.submit(1, ["b"], lambda o, i, last: None, lambda e: None, first_index=3)
     assert not engine.is_open(1)
 
 
 def test_empty_closing_request_waits_for_earlier_frames(engine):
     engine.open(1, "prefill:5")
     order = []
-    engine.submit(1, ["a", "b"], lambda o, i: order.append(o[0]), lambda e: order.append("done a"))
+    engine.submit(1, ["a", "b"], lambda o, i, last: order.append(o[0]), lambda e: order.append("done a"))
     closer = Collector()
     engine.submit(1, [], None, lambda e: (order.append("closed"), closer.on_done(e)), close=True)
     closer.wait()
@@ -409,7 +411,7 @@ def test_draining_finishes_pending_requests_and_refuses_new_ones():
     while refused is None and time.monotonic() < deadline:
         try:
             engine.open(2, None)  # admitted until the drain begins
-            engine.submit(2, [], lambda o, i: None, lambda e: None, close=True)
+            engine.submit(2, [], lambda o, i, last: None, lambda e: None, close=True)
         except ConversationError as exc:
             refused = str(exc)
     assert refused == "the server is shutting down; no new conversations"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from personaplex_stream import Persona, ServerError, stream_conversation
+from personaplex_stream import Persona, ServerError, is_final_response, stream_conversation
 from personaplex_triton import contract, health, loaders
 from personaplex_triton.metrics import scrape
 from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer, child_processes
@@ -205,9 +205,10 @@ class Stream:
     def _callback(self, result, error):
         if error is not None:
             self.errors.append(str(error))
-        elif result.get_response().outputs:
+            return
+        if result.get_response().outputs:
             self.frames.append(1)
-        else:
+        if is_final_response(result):
             self.finals.append(1)
 
     def send(self, sequence_id, frames, start=False):

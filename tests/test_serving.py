@@ -56,7 +56,7 @@ def decode(service, conversation, frame_index, codes, final=False):
               seam.FRAME_INDEX: np.array([frame_index], np.int64),
               seam.FINAL: np.array([final]),
               seam.TEXT_PIECE: np.array([b" hi"], np.object_)}
-    service.handle(arrays, out.append, lambda e: (errors.append(e), done.set()))
+    service.handle(arrays, lambda outputs, _last: out.append(outputs), lambda e: (errors.append(e), done.set()))
     assert done.wait(30)
     return out, errors[0]
 

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from personaplex_stream import is_final_response
 from personaplex_triton import contract
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.int64): "INT64",
@@ -36,9 +37,10 @@ def raw_request(server, frames_audio, sequence_id, start, end, extra=(), timeout
         if error is not None:
             errors.append(str(error))
             done.set()
-        elif result.get_response().outputs:
+            return
+        if result.get_response().outputs:
             responses.append(result)
-        else:
+        if is_final_response(result):
             done.set()
 
     client = grpcclient.InferenceServerClient(server.grpc_url)

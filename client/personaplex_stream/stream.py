@@ -5,8 +5,8 @@ of 24 kHz mono float32) is one request on the stream, carrying the sequence id, 
 `sequence_start` on the first request and `sequence_end` on the last. The persona
 options travel only on the first request. The server answers each request with one
 response holding the agent's 80 ms of audio (AUDIO_OUT) and text piece (TEXT_OUT), in
-order; with `enable_empty_final_response` it may also send flag-only "final" responses,
-which carry no outputs and are skipped here.
+order; with `enable_empty_final_response` a request's last response is flagged final, and
+where no frame is left to carry the flag it comes alone, without outputs: skipped here.
 
 Only numpy and tritonclient are imported (and this package's `contract` and `audio`): no
 torch, no scipy, no server packages.
@@ -266,8 +266,11 @@ def _is_unavailable(error) -> bool:
     return status is not None and "UNAVAILABLE" in str(status)
 
 
-def _has_final_flag(response) -> bool:
-    param = response.parameters.get("triton_final_response")
+def is_final_response(result) -> bool:
+    """Whether a streamed result (an InferResult) completes its request: with
+    `enable_empty_final_response`, Triton marks the request's last response so, whether it
+    carries a frame or is flag-only."""
+    param = result.get_response().parameters.get("triton_final_response")
     return param is not None and bool(param.bool_param)
 
 
@@ -364,7 +367,7 @@ def stream_conversation(
         response = result.get_response()
         if len(response.outputs) == 0:
             # The flag-only final response of a request (enable_empty_final_response).
-            if not _has_final_flag(response):
+            if not is_final_response(result):
                 raise ProtocolError("the server sent a response without outputs that is not a final response")
             return
         i = state["received"]

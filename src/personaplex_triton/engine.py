@@ -5,7 +5,8 @@ batched step; the engine maps conversations to slots, queues each request's item
 tick, hands every slot at most one item (slots still prefilling tick without one). Requests
 only queue work (`execute()` returns at once); answers go back through each request's
 callbacks, in order, from the engine's outbox thread (outbox.py): the next tick need not wait
-for the sends.
+for the sends. Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub
+sends from several at once (a boost::interprocess lock_exception).
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations
@@ -58,7 +59,9 @@ class Stage(Protocol):
 @dataclass
 class _Request:
     items: list
-    on_output: Callable[[Any, int], None]  # (output, its index in the conversation), in order
+    # (output, its index in the conversation, whether it is the request's last), in order: the
+    # last output's response also completes the request (Triton: one response, not two)
+    on_output: Callable[[Any, int, bool], None]
     on_done: Callable[[str | None], None]  # called once, with an error message or None
     is_cancelled: Callable[[], bool] | None = None
     received: float = field(default_factory=time.monotonic)
@@ -68,12 +71,15 @@ class _Request:
     # has a request's final response it frees the request, so none may follow it.
     guard: threading.Lock = field(default_factory=threading.Lock)
 
-    def send(self, output: Any, index: int) -> bool:
-        """Send one output; False if the request was already finished."""
+    def send(self, output: Any, index: int, last: bool) -> bool:
+        """Send one output; `last` finishes the request with it. False if it was already finished."""
         with self.guard:
             if self.finished:
                 return False
-            self.on_output(output, index)
+            self.on_output(output, index, last)
+            if last:
+                self.finished = True
+                self.on_done(None)
             return True
 
     def finish(self, error: str | None) -> None:
@@ -426,33 +432,36 @@ class SlotEngine:
         self._outbox.put(answers)
 
     def _deliver(self, answers: list[_Answer]) -> None:
-        """On the outbox's thread: send a tick's answers, and complete the requests they finish."""
+        """On the outbox's thread: send a tick's answers."""
         for answer in answers:
-            conv, request = answer.conversation, answer.request
-            with self._cond:
-                if request not in conv.requests:  # the conversation ended since its tick
-                    continue
-            try:
-                if self.faults is not None:
-                    self.faults.before_send(conv.key)
-                if not request.send(answer.output, answer.index):
-                    continue
-            except Exception as exc:  # the client is gone, or the response could not be made
-                log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
-                self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
-                continue
-            self.metrics.frame_answered(time.monotonic() - request.received)
-            if self.trace.enabled:
-                self.trace.frame(conv.key, answer.index, answer.queued, *answer.tick_span, answer.rows, time.time())
-            request.answered += 1
-            if request.answered == len(request.items):
-                with self._cond:
-                    conv.requests.remove(request)
-                    conv.last_active = time.monotonic()  # idle from its last answer on
-                    self._cond.notify()  # a closing conversation may now free its slot
-                if not self._answer(request.finish, None):
-                    self._fail(conv, "could not complete a response", reasons.INTERNAL)
+            self._send(answer)
         self.trace.flush()
+
+    def _send(self, answer: _Answer) -> None:
+        """Send one answer; a request's last answer completes it."""
+        conv, request = answer.conversation, answer.request
+        with self._cond:
+            if request not in conv.requests:  # the conversation ended since its tick
+                return
+        last = request.answered + 1 == len(request.items)
+        try:
+            if self.faults is not None:
+                self.faults.before_send(conv.key)
+            if not request.send(answer.output, answer.index, last):
+                return
+        except Exception as exc:  # the client is gone, or the response could not be made
+            log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
+            self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
+            return
+        self.metrics.frame_answered(time.monotonic() - request.received)
+        if self.trace.enabled:
+            self.trace.frame(conv.key, answer.index, answer.queued, *answer.tick_span, answer.rows, time.time())
+        request.answered += 1
+        if last:
+            with self._cond:
+                conv.requests.remove(request)
+                conv.last_active = time.monotonic()  # idle from its last answer on
+                self._cond.notify()  # a closing conversation may now free its slot
 
     def _answer(self, on_done, error: str | None) -> bool:
         try:

@@ -2,7 +2,9 @@
 
 The `model.py` files only move tensors between Triton and these services, so everything
 here is tested without a server. A service answers through two callbacks per request:
-`send(outputs)` once per frame, in order, and `finish(error)` once at the end.
+`send(outputs, last)` once per frame, in order, `last` on the request's last frame (its response
+completes the request: one response where Triton would take two), and `finish(error)` once at
+the end (after a last frame, it has nothing left to say).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[dict], None]
+Send = Callable[[dict, bool], None]
 Finish = Callable[[str | None], None]
 IsCancelled = Callable[[], bool]
 
@@ -214,19 +216,15 @@ class TalkerService:
                 self.engine.submit(conversation, [], None, lambda _: None, close=True)
             refuse(finish, exc, self.metrics)
             return
-        first_index = None  # of this request's frames in the conversation
-
-        def on_output(step, index):
-            nonlocal first_index
-            first_index = index if first_index is None else first_index
-            send(seam_frame(conversation, index, end and index - first_index == len(frames) - 1,
-                            step.codes.astype(np.int64), self.talker.text_piece(step.text_token)))
+        def on_output(step, index, last):
+            send(seam_frame(conversation, index, end and last, step.codes.astype(np.int64),
+                            self.talker.text_piece(step.text_token)), last)
 
         def finish_with_close(error):
             """An end request without frames: code2wav hears of the end through a close marker."""
             if error is None:
                 send(seam_frame(conversation, seam.CLOSE_ONLY, True,
-                                np.zeros(seam.NUM_AGENT_CODEBOOKS, np.int64), ""))
+                                np.zeros(seam.NUM_AGENT_CODEBOOKS, np.int64), ""), True)
             finish(error)
 
         try:
@@ -316,8 +314,8 @@ class Code2WavService:
             return
         text_out = np.array([b""], dtype=np.object_) if text is None else text.reshape(1)
 
-        def on_output(pcm, _index):
-            send({contract.AUDIO_OUT: pcm.astype(np.float32), contract.TEXT_OUT: text_out})
+        def on_output(pcm, _index, last):
+            send({contract.AUDIO_OUT: pcm.astype(np.float32), contract.TEXT_OUT: text_out}, last)
 
         try:
             self.engine.submit(conversation, [codes], on_output, finish, close=final, first_index=frame_index)

@@ -54,15 +54,22 @@ def sequence_flags(request) -> tuple[bool, bool]:
 
 
 def responder(request):
-    """(send, finish, is_cancelled) for a decoupled request: a response per call of send, then
-    FINAL; is_cancelled says whether Triton cancelled the request (its client went away)."""
+    """(send, finish, is_cancelled) for a decoupled request: a response per call of send, the
+    last one (`last`) flagged FINAL, else FINAL alone at finish; is_cancelled says whether
+    Triton cancelled the request (its client went away)."""
     sender = request.get_response_sender()
+    completed = False
 
-    def send(outputs: dict[str, np.ndarray]) -> None:
-        sender.send(pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()]))
+    def send(outputs: dict[str, np.ndarray], last: bool) -> None:
+        nonlocal completed
+        response = pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()])
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+        completed = last
 
     def finish(error: str | None) -> None:
+        if completed:  # the last frame's response completed the request
+            return
         if error is not None:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(error)),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -348,8 +348,9 @@ class SlotEngine:
         if now - self._last_cancel_poll < CANCEL_POLL_S:
             return
         self._last_cancel_poll = now
-        with self._cond:
-            pending = [(c, r) for c in self._all for r in c.requests if r.is_cancelled is not None]
+        with self._cond:  # a poll is a round trip to tritonserver: not for requests about to be answered
+            pending = [(c, r) for c in self._all for r in c.requests
+                       if r.is_cancelled is not None and now - r.received >= CANCEL_POLL_S]
         gone = set()
         for conv, request in pending:
             if conv.key not in gone and request.cancelled():

@@ -1,11 +1,13 @@
 """What the stages report for monitoring: the names, kinds and meanings of their metrics.
 
 `Metrics` records nothing; `triton_adapter.TritonMetrics` puts the same calls on Triton's
-Prometheus endpoint (`:8002/metrics`), each series labelled with the model's name.
+Prometheus endpoint (`:8002/metrics`), each series labelled with the model's name, through an
+`UpdateQueue`.
 """
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 
 # name: (kind, description); the README's "Metrics" lists the same.
@@ -45,6 +47,52 @@ def scrape(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
     return samples
 
 
+class UpdateQueue:
+    """Metric updates waiting for a reporter thread: counters summed, gauges at their last
+    value, histogram observations in order. A Python-backend model's every update is a round
+    trip to tritonserver; made where they arise, two a frame, they took most of the time a
+    tick's answers spent leaving at 64 conversations. A series is a key: (name, labels)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._counts: dict = {}
+        self._gauges: dict = {}
+        self._observed: list = []
+        self._closed = False
+
+    def increment(self, key, value: float = 1) -> None:
+        with self._cond:
+            self._counts[key] = self._counts.get(key, 0) + value
+            self._cond.notify()
+
+    def set(self, key, value: float) -> None:
+        with self._cond:
+            self._gauges[key] = value
+            self._cond.notify()
+
+    def observe(self, key, value: float) -> None:
+        with self._cond:
+            self._observed.append((key, value))
+            self._cond.notify()
+
+    def take(self):
+        """Wait for updates: (counts, gauges, observations) of everything queued, or None once
+        closed with nothing left."""
+        with self._cond:
+            while not (self._counts or self._gauges or self._observed or self._closed):
+                self._cond.wait()
+            if not (self._counts or self._gauges or self._observed):
+                return None
+            taken = self._counts, self._gauges, self._observed
+            self._counts, self._gauges, self._observed = {}, {}, []
+            return taken
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
 class Metrics:
     """The calls an engine and its service make; this base records nothing."""
 
@@ -65,3 +113,6 @@ class Metrics:
 
     def alive(self, up: bool) -> None:
         """The engine's heartbeat: `up` false once it cannot go on."""
+
+    def close(self) -> None:
+        """Report what is pending, then stop."""

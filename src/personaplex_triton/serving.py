@@ -255,6 +255,7 @@ class TalkerService:
     def close(self) -> None:
         self.engine.shutdown()
         self.talker.close()
+        self.metrics.close()
 
 
 def seam_frame(conversation: int, index: int, final: bool, codes: np.ndarray, text: str) -> dict:
@@ -324,3 +325,4 @@ class Code2WavService:
 
     def close(self) -> None:
         self.engine.shutdown()
+        self.metrics.close()

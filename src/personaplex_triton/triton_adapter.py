@@ -6,12 +6,13 @@ Importable only inside Triton's Python backend stub, which provides that module.
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .metrics import FAMILIES, SECONDS_BUCKETS, Metrics
+from .metrics import FAMILIES, SECONDS_BUCKETS, Metrics, UpdateQueue
 
 SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = 2    # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -33,12 +34,10 @@ def log_info(message: str) -> None:
 
 
 def request_arrays(request, names) -> dict[str, np.ndarray]:
-    arrays = {}
-    for name in names:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            arrays[name] = tensor.as_numpy()
-    return arrays
+    """The request's inputs among `names`, in one pass (get_input_tensor_by_name walks them all
+    for each name)."""
+    wanted = set(names)
+    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs() if tensor.name() in wanted}
 
 
 def sequence_idle_s(args: dict) -> float:
@@ -80,7 +79,8 @@ def responder(request):
 
 
 class TritonMetrics(Metrics):
-    """The library's metrics (metrics.py) as Triton custom metrics, labelled with the model."""
+    """The library's metrics (metrics.py) as Triton custom metrics, labelled with the model.
+    Calls only queue their update; one thread of its own makes the round trips to tritonserver."""
 
     def __init__(self, model: str):
         # pb_utils.MetricFamily exists once the stub runs a model, not when this module is imported.
@@ -90,32 +90,52 @@ class TritonMetrics(Metrics):
         self._families = {name: family(name=name, description=text, kind=kinds[kind])
                           for name, (kind, text) in FAMILIES.items()}
         self._series: dict[tuple, object] = {}
+        self._updates = UpdateQueue()
+        self._reporter = threading.Thread(target=self._report, name=f"{model}-metrics", daemon=True)
+        self._reporter.start()
         self.alive(True)
 
-    def _metric(self, name: str, **labels):
-        key = (name, *sorted(labels.items()))
+    def _metric(self, key: tuple):
+        name, labels = key
         if key not in self._series:
             extra = {"buckets": list(SECONDS_BUCKETS)} if FAMILIES[name][0] == "histogram" else {}
-            self._series[key] = self._families[name].Metric(labels={"model": self.model, **labels}, **extra)
+            self._series[key] = self._families[name].Metric(labels={"model": self.model, **dict(labels)}, **extra)
         return self._series[key]
 
+    def _report(self) -> None:
+        while (taken := self._updates.take()) is not None:
+            counts, gauges, observed = taken
+            try:
+                for key, value in counts.items():
+                    self._metric(key).increment(value)
+                for key, value in gauges.items():
+                    self._metric(key).set(value)
+                for key, value in observed:
+                    self._metric(key).observe(value)
+            except Exception as exc:  # a metric must never take serving down
+                log_info(f"{self.model}: reporting metrics failed: {exc}")
+
     def conversations(self, active: int, prefilling: int) -> None:
-        self._metric("personaplex_conversations_active").set(active)
-        self._metric("personaplex_conversations_prefilling").set(prefilling)
+        self._updates.set(("personaplex_conversations_active", ()), active)
+        self._updates.set(("personaplex_conversations_prefilling", ()), prefilling)
 
     def tick(self, seconds: float) -> None:
-        self._metric("personaplex_tick_duration_seconds").observe(seconds)
+        self._updates.observe(("personaplex_tick_duration_seconds", ()), seconds)
 
     def frame_answered(self, latency_s: float) -> None:
-        self._metric("personaplex_frames_total").increment(1)
-        self._metric("personaplex_frame_latency_seconds").observe(latency_s)
+        self._updates.increment(("personaplex_frames_total", ()))
+        self._updates.observe(("personaplex_frame_latency_seconds", ()), latency_s)
 
     def rejected(self, reason: str) -> None:
-        self._metric("personaplex_requests_rejected_total", reason=reason).increment(1)
+        self._updates.increment(("personaplex_requests_rejected_total", (("reason", reason),)))
 
     def persona_cache_lookup(self, hit: bool) -> None:
-        self._metric("personaplex_persona_cache_lookups_total", result="hit" if hit else "miss").increment(1)
+        self._updates.increment(("personaplex_persona_cache_lookups_total", (("result", "hit" if hit else "miss"),)))
 
     def alive(self, up: bool) -> None:
-        self._metric("personaplex_engine_up").set(1 if up else 0)
-        self._metric("personaplex_engine_heartbeat_seconds").set(time.time())
+        self._updates.set(("personaplex_engine_up", ()), 1 if up else 0)
+        self._updates.set(("personaplex_engine_heartbeat_seconds", ()), time.time())
+
+    def close(self) -> None:
+        self._updates.close()
+        self._reporter.join(timeout=5)

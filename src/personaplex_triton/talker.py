@@ -182,18 +182,19 @@ class Talker:
             return {}
         codes = self.mimi.encode(user_frames)
         rows = bucket_for(1 + max(user_frames), self.generator.buckets)
+        slots = list(codes)
+        # whole-batch ops, not one per slot: each op lets the stub's other threads take the GIL
         active = torch.zeros(rows, dtype=torch.bool)
+        active[slots] = True
         user = torch.zeros(rows, NUM_AUDIO, dtype=torch.long)
-        for s in user_frames:
-            active[s] = True
-            user[s] = codes[s]
+        user[slots] = torch.stack([codes[s] for s in slots])
         unforced = torch.zeros(rows, dtype=torch.bool)
         idle = torch.zeros(rows, dtype=torch.long)
         inputs = StepInputs(*(t.to(self.device) for t in (active, user, idle[:, None].expand(rows, NUM_AUDIO),
                                                           unforced, idle, unforced)))
         tokens, has_output, _ = self.generator.step(inputs)
-        tokens, has_output = tokens.cpu(), has_output.cpu()
-        return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].numpy().copy(), int(tokens[s, 0]))
+        tokens, has_output = tokens.cpu().numpy(), has_output.cpu().numpy()
+        return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
                 for s in user_frames if has_output[s]}
 
 

@@ -1,11 +1,11 @@
 """A background loop that advances a pool of conversation slots in lockstep ticks.
 
 Both stages run on it: a stage owns per-slot model state and answers `tick(items)` with one
-batched step; the engine maps conversations to slots, queues each request's items and, each
-tick, hands every slot at most one item (slots still prefilling tick without one). Requests
-only queue work (`execute()` returns at once); answers go back through each request's
-callbacks, in order, from the engine's outbox thread (outbox.py): the next tick need not wait
-for the sends. Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub
+batched step; the engine's ConversationTable (conversations.py) maps conversations to slots,
+queues each request's items and, each tick, hands every slot at most one item (slots still
+prefilling tick without one). Requests only queue work (`execute()` returns at once); answers
+go back through each request's callbacks, in order, from the engine's outbox thread
+(outbox.py): the next tick need not wait for the sends. Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub
 sends from several at once (a boost::interprocess lock_exception).
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from . import metrics as reasons
+from .conversations import Conversation, ConversationError, ConversationTable, Request
 from .faults import FaultPlan, SlotFault
 from .metrics import Metrics
 from .outbox import Outbox
@@ -32,19 +32,11 @@ from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
 
+__all__ = ["ConversationError", "SlotEngine", "Stage"]
 
 HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
 CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
 SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long before they get an error
-
-
-class ConversationError(ValueError):
-    """A request that cannot be served (no free slot, unknown or duplicate conversation, a
-    lost frame, shutting down); `reason` labels it in the metrics."""
-
-    def __init__(self, message: str, reason: str = reasons.NOT_OPEN):
-        super().__init__(message)
-        self.reason = reason
 
 
 class Stage(Protocol):
@@ -57,47 +49,10 @@ class Stage(Protocol):
 
 
 @dataclass
-class _Request:
-    items: list
-    # (output, its index in the conversation, whether it is the request's last), in order: the
-    # last output's response also completes the request (Triton: one response, not two)
-    on_output: Callable[[Any, int, bool], None]
-    on_done: Callable[[str | None], None]  # called once, with an error message or None
-    is_cancelled: Callable[[], bool] | None = None
-    received: float = field(default_factory=time.monotonic)
-    answered: int = 0
-    finished: bool = False
-    # Sends, the final answer and cancellation polls come from different threads; once Triton
-    # has a request's final response it frees the request, so none may follow it.
-    guard: threading.Lock = field(default_factory=threading.Lock)
-
-    def send(self, output: Any, index: int, last: bool) -> bool:
-        """Send one output; `last` finishes the request with it. False if it was already finished."""
-        with self.guard:
-            if self.finished:
-                return False
-            self.on_output(output, index, last)
-            if last:
-                self.finished = True
-                self.on_done(None)
-            return True
-
-    def finish(self, error: str | None) -> None:
-        with self.guard:
-            if not self.finished:
-                self.finished = True
-                self.on_done(error)
-
-    def cancelled(self) -> bool:
-        with self.guard:
-            return not self.finished and self.is_cancelled is not None and self.is_cancelled()
-
-
-@dataclass
 class _Answer:
     """A stage's output for one item, waiting in the outbox."""
-    conversation: "_Conversation"
-    request: _Request
+    conversation: Conversation
+    request: Request
     output: Any
     index: int          # the item's index in its conversation
     queued: float       # for the frame trace: when the item was queued, the tick that took it
@@ -105,31 +60,15 @@ class _Answer:
     rows: int
 
 
-@dataclass
-class _Conversation:
-    key: int
-    setup: Any
-    slot: int | None = None
-    queue: deque = field(default_factory=deque)     # (request, item, queued at) not yet ticked
-    requests: list = field(default_factory=list)    # requests not yet done
-    closing: bool = False
-    answered: int = 0   # items answered so far, over all its requests
-    submitted: int = 0  # items queued so far, over all its requests
-    last_active: float = field(default_factory=time.monotonic)
-    on_released: list = field(default_factory=list)  # on_done of an empty closing request, owed at release
-
-
 class SlotEngine:
     def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
                  faults: FaultPlan | None = None):
-        """`evict_after_s`: when every slot is taken, a new conversation replaces the one idle
-        the longest, if idle for at least that long. `idle_timeout_s`: a conversation with
+        """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py."""
         self.stage = stage
         self.name = name
-        self.evict_after_s = evict_after_s
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics or Metrics()
         self.trace = FrameTrace(name)
@@ -137,10 +76,7 @@ class SlotEngine:
         self.faults = faults
         self.failure: str | None = None  # why the engine cannot go on
         self._cond = threading.Condition()
-        self._open: dict[int, _Conversation] = {}  # by key: those that take more requests
-        self._all: list[_Conversation] = []        # every conversation holding or awaiting a slot
-        self._free = list(range(stage.num_slots))
-        self._to_start: deque[_Conversation] = deque()
+        self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
         self._running = True
         self._admitting = True
         self._last_cancel_poll = self._last_beat = 0.0
@@ -164,32 +100,12 @@ class SlotEngine:
                 raise ConversationError(self.failure, reasons.UNAVAILABLE)
             if not self._admitting:
                 raise ConversationError("the server is shutting down; no new conversations", reasons.UNAVAILABLE)
-            conv = self._open.get(key)
-            if conv is not None:
-                if not (restart and not conv.queue and not conv.requests):
-                    raise ConversationError(f"conversation {key} is already open", reasons.INVALID_INPUT)
-                conv.setup = setup
-                conv.answered = conv.submitted = 0
-                self._to_start.append(conv)
-                self._cond.notify()
-                return
-            if len(self._all) >= self.stage.num_slots and self.evict_after_s is not None:
-                since = time.monotonic() - self.evict_after_s
-                idle = [c for c in self._open.values() if not c.queue and not c.requests and c.last_active <= since]
-                if idle:
-                    self._close(min(idle, key=lambda c: c.last_active))
-            if len(self._all) - sum(self._closable(c) for c in self._all) >= self.stage.num_slots:
-                raise ConversationError(
-                    f"all {self.stage.num_slots} conversation slots are busy; try again later", reasons.NO_FREE_SLOT)
-            conv = _Conversation(key, setup)
-            self._open[key] = conv
-            self._all.append(conv)
-            self._to_start.append(conv)
+            self._table.admit(key, setup, restart)
             self._cond.notify()
 
     def is_open(self, key: int) -> bool:
         with self._cond:
-            return key in self._open
+            return key in self._table.open
 
     def submit(self, key: int, items: list, on_output, on_done, close: bool = False,
                first_index: int | None = None, is_cancelled: Callable[[], bool] | None = None) -> None:
@@ -199,35 +115,14 @@ class SlotEngine:
         the first item must have in the conversation (a gap means a frame was lost: the
         conversation ends with an error). `is_cancelled`: polled while the request is pending;
         true ends the conversation (its client is gone)."""
-        request = _Request(list(items), on_output, on_done, is_cancelled)
+        request = Request(list(items), on_output, on_done, is_cancelled)
         with self._cond:
             if self.failure is not None:
                 raise ConversationError(self.failure, reasons.UNAVAILABLE)
             if not self._admitting and items:  # draining: what is pending finishes, nothing more starts
                 raise ConversationError("the server is shutting down; no new requests", reasons.UNAVAILABLE)
-            conv = self._open.get(key)
-            if conv is None:
-                raise ConversationError(
-                    f"conversation {key} is not open (its start request failed, was never sent, it "
-                    "ended, or it was idle too long)")
-            deferred = False  # an empty closing request answered at its conversation's release
-            if first_index is not None and first_index != conv.submitted:
-                lost = (f"frame {first_index} of conversation {key} arrived where frame {conv.submitted} "
-                        "was due: a frame was lost or repeated; the conversation ends")
-                conv.closing = True
-            else:
-                lost = None
-                queued = time.time()  # wall clock, for the frame trace
-                conv.queue.extend((request, item, queued) for item in request.items)
-                conv.submitted += len(request.items)
-                conv.last_active = time.monotonic()
-                if request.items:
-                    conv.requests.append(request)
-                elif close and (conv.queue or conv.requests):
-                    conv.on_released.append(on_done)
-                    deferred = True
-                if close:
-                    self._close(conv)
+            conv = self._table.conversation(key)
+            lost, deferred = self._table.enqueue(conv, request, close, first_index)
             self._cond.notify()
         if lost is not None:
             self._fail(conv, lost, reasons.LOST_FRAME)
@@ -237,7 +132,7 @@ class SlotEngine:
 
     def open_keys(self) -> list[int]:
         with self._cond:
-            return list(self._open)
+            return list(self._table.open)
 
     def shutdown(self, drain_s: float = SHUTDOWN_DRAIN_S) -> None:
         """Stop admitting conversations and requests with items; let pending requests finish
@@ -247,48 +142,12 @@ class SlotEngine:
             self._admitting = False
             # until every pending request is answered and every ended conversation released
             # (answers leave from the outbox, releases from the loop)
-            while (self._thread.is_alive() and any(c.requests or c.closing for c in self._all)
-                   and time.monotonic() < deadline):
+            while self._thread.is_alive() and self._table.owes_work() and time.monotonic() < deadline:
                 self._cond.wait(0.1)
             self._running = False
             self._cond.notify_all()
         self._thread.join(timeout=10)
         self._stop_all("the server is shutting down", reasons.UNAVAILABLE)
-
-    # -- under the lock --------------------------------------------------------------------
-    def _close(self, conv: _Conversation) -> None:
-        conv.closing = True
-        if self._open.get(conv.key) is conv:
-            del self._open[conv.key]
-
-    def _closable(self, conv: _Conversation) -> bool:
-        return conv.closing and not conv.queue and not conv.requests
-
-    def _tickable(self, conv: _Conversation) -> bool:
-        return conv.slot is not None and (bool(conv.queue) or self.stage.prefilling(conv.slot))
-
-    def _release(self, conv: _Conversation) -> list:
-        """Free the conversation's slot; returns the callbacks owed at its release."""
-        if conv.slot is not None:
-            try:
-                self.stage.stop(conv.slot)
-            finally:
-                self._free.append(conv.slot)
-                conv.slot = None
-        if conv in self._to_start:
-            self._to_start.remove(conv)
-        if conv in self._all:
-            self._all.remove(conv)
-        owed, conv.on_released = conv.on_released, []
-        return owed
-
-    def _close_idle(self, now: float) -> None:
-        if self.idle_timeout_s is None:
-            return
-        for conv in list(self._open.values()):
-            if not conv.queue and not conv.requests and now - conv.last_active > self.idle_timeout_s:
-                log.info("%s: conversation %s idle for %.0f s; closing it", self.name, conv.key, now - conv.last_active)
-                self._close(conv)
 
     # -- the engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -304,21 +163,21 @@ class SlotEngine:
 
     def _pass(self) -> bool:
         """One pass of the loop: free, start, tick; False once shut down."""
+        table = self._table
         with self._cond:
-            if self._running and not (self._to_start or any(
-                    self._closable(c) or self._tickable(c) for c in self._all)):
+            if self._running and not (table.to_start or any(c.closable for c in table.all) or any(
+                    c.queue or self.stage.prefilling(c.slot) for c in table.live())):
                 self._cond.wait(HEARTBEAT_S)
             if not self._running:
                 return False
             now = time.monotonic()
-            self._close_idle(now)
-            owed = [done for conv in [c for c in self._all if self._closable(c)] for done in self._release(conv)]
-            starting = list(self._to_start)
-            self._to_start.clear()
-            for conv in starting:
-                if conv.slot is None:  # the lowest free slot: steps run on the first rows
-                    conv.slot = min(self._free)
-                    self._free.remove(conv.slot)
+            if self.idle_timeout_s is not None:
+                for conv in table.close_idle(now, self.idle_timeout_s):
+                    log.info("%s: conversation %s idle for %.0f s; closing it", self.name, conv.key,
+                             now - conv.last_active)
+            owed = [done for conv in [c for c in table.all if c.closable]
+                    for done in table.release(conv, self.stage.stop)]
+            starting = table.take_starting()
         for done in owed:
             self._answer(done, None)
         self._beat(now)
@@ -328,12 +187,8 @@ class SlotEngine:
         for conv in starting:
             self._start(conv)
         with self._cond:
-            batch: dict[int, tuple[_Conversation, _Request, Any, float]] = {}
-            for conv in self._all:
-                if conv.slot is None or not conv.queue or self.stage.prefilling(conv.slot):
-                    continue
-                batch[conv.slot] = (conv, *conv.queue.popleft())
-            prefilling = any(self.stage.prefilling(c.slot) for c in self._all if c.slot is not None)
+            batch = table.next_batch(self.stage.prefilling)
+            prefilling = any(self.stage.prefilling(c.slot) for c in table.live())
         if batch or prefilling:
             self._tick(batch)
         self._report_occupancy()
@@ -349,7 +204,7 @@ class SlotEngine:
             return
         self._last_cancel_poll = now
         with self._cond:  # a poll is a round trip to tritonserver: not for requests about to be answered
-            pending = [(c, r) for c in self._all for r in c.requests
+            pending = [(c, r) for c in self._table.all for r in c.requests
                        if r.is_cancelled is not None and now - r.received >= CANCEL_POLL_S]
         gone = set()
         for conv, request in pending:
@@ -360,24 +215,23 @@ class SlotEngine:
 
     def _report_occupancy(self, starting: int = 0) -> None:
         with self._cond:
-            live = [c.slot for c in self._all if c.slot is not None]
+            live = [c.slot for c in self._table.live()]
             occupancy = (len(live), starting + sum(self.stage.prefilling(s) for s in live))
         if occupancy != self._occupancy:
             self._occupancy = occupancy
             self.metrics.conversations(*occupancy)
 
-    def _start(self, conv: _Conversation) -> None:
+    def _start(self, conv: Conversation) -> None:
         try:
             self.stage.start(conv.slot, conv.setup)
         except Exception as exc:  # a bad persona must not take the engine down
             log.exception("starting conversation %s failed", conv.key)
             self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)
 
-    def _ticked(self, batch) -> list[_Conversation]:
+    def _ticked(self, batch) -> list[Conversation]:
         """The conversations a tick steps: those with an item, and those prefilling."""
         with self._cond:
-            return [c for c in self._all if c.slot is not None
-                    and (c.slot in batch or self.stage.prefilling(c.slot))]
+            return [c for c in self._table.live() if c.slot in batch or self.stage.prefilling(c.slot)]
 
     def _step(self, batch) -> dict | None:
         """The stage's tick over `batch`; None if it failed for good (its conversations got the
@@ -472,14 +326,14 @@ class SlotEngine:
             log.exception("%s: answering a request failed", self.name)
             return False
 
-    def _fail(self, conv: _Conversation, message: str, reason: str) -> None:
+    def _fail(self, conv: Conversation, message: str, reason: str) -> None:
         """End a conversation: every request it still owes answers to gets the error."""
         with self._cond:
             owed = [r.finish for r in conv.requests]
             conv.queue.clear()
             conv.requests.clear()
-            self._close(conv)
-            owed += self._release(conv)
+            self._table.close(conv)
+            owed += self._table.release(conv, self.stage.stop)
         for on_done in owed:
             self.metrics.rejected(reason)
             self._answer(on_done, message)
@@ -489,8 +343,8 @@ class SlotEngine:
         with self._cond:
             self.failure = self.failure or message
             self._running = False
-            conversations = list(self._all)
-            self._open.clear()
+            conversations = list(self._table.all)
+            self._table.open.clear()
         for conv in conversations:
             try:
                 self._fail(conv, message, reason)

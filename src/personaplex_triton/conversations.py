@@ -1,0 +1,201 @@
+"""A stage's conversations: which slot each holds, what it has queued, what it still owes.
+
+`ConversationTable` is the engine's scheduler. It admits conversations (evicting an idle one
+when every slot is taken), queues their requests' items, picks each tick's batch (at most one
+item a slot) and frees slots. It is plain data, not thread-safe: `SlotEngine` calls it under
+its lock, and calls the stage and the requests' callbacks outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import metrics as reasons
+
+
+class ConversationError(ValueError):
+    """A request that cannot be served (no free slot, unknown or duplicate conversation, a
+    lost frame, shutting down); `reason` labels it in the metrics."""
+
+    def __init__(self, message: str, reason: str = reasons.NOT_OPEN):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Request:
+    items: list
+    # (output, its index in the conversation, whether it is the request's last), in order: the
+    # last output's response also completes the request (Triton: one response, not two)
+    on_output: Callable[[Any, int, bool], None]
+    on_done: Callable[[str | None], None]  # called once, with an error message or None
+    is_cancelled: Callable[[], bool] | None = None
+    received: float = field(default_factory=time.monotonic)
+    answered: int = 0
+    finished: bool = False
+    # Sends, the final answer and cancellation polls come from different threads; once Triton
+    # has a request's final response it frees the request, so none may follow it.
+    guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, output: Any, index: int, last: bool) -> bool:
+        """Send one output; `last` finishes the request with it. False if it was already finished."""
+        with self.guard:
+            if self.finished:
+                return False
+            self.on_output(output, index, last)
+            if last:
+                self.finished = True
+                self.on_done(None)
+            return True
+
+    def finish(self, error: str | None) -> None:
+        with self.guard:
+            if not self.finished:
+                self.finished = True
+                self.on_done(error)
+
+    def cancelled(self) -> bool:
+        with self.guard:
+            return not self.finished and self.is_cancelled is not None and self.is_cancelled()
+
+
+@dataclass
+class Conversation:
+    key: int
+    setup: Any
+    slot: int | None = None
+    queue: deque = field(default_factory=deque)     # (request, item, queued at) not yet ticked
+    requests: list = field(default_factory=list)    # requests not yet done
+    closing: bool = False
+    answered: int = 0   # items answered so far, over all its requests
+    submitted: int = 0  # items queued so far, over all its requests
+    last_active: float = field(default_factory=time.monotonic)
+    on_released: list = field(default_factory=list)  # on_done of an empty closing request, owed at release
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and not self.requests
+
+    @property
+    def closable(self) -> bool:
+        return self.closing and self.idle
+
+
+class ConversationTable:
+    def __init__(self, num_slots: int, evict_after_s: float | None = None):
+        """`evict_after_s`: when every slot is taken, a new conversation replaces the one idle
+        the longest, if idle for at least that long."""
+        self.num_slots = num_slots
+        self.evict_after_s = evict_after_s
+        self.open: dict[int, Conversation] = {}  # by key: those that take more requests
+        self.all: list[Conversation] = []        # every conversation holding or awaiting a slot
+        self.to_start: deque[Conversation] = deque()
+        self._free = list(range(num_slots))
+
+    def admit(self, key: int, setup: Any, restart: bool) -> None:
+        """A new conversation, to start before the next tick (see SlotEngine.open)."""
+        conv = self.open.get(key)
+        if conv is not None:
+            if not (restart and conv.idle):
+                raise ConversationError(f"conversation {key} is already open", reasons.INVALID_INPUT)
+            conv.setup = setup
+            conv.answered = conv.submitted = 0
+            self.to_start.append(conv)
+            return
+        if len(self.all) >= self.num_slots and self.evict_after_s is not None:
+            since = time.monotonic() - self.evict_after_s
+            idle = [c for c in self.open.values() if c.idle and c.last_active <= since]
+            if idle:
+                self.close(min(idle, key=lambda c: c.last_active))
+        if len(self.all) - sum(c.closable for c in self.all) >= self.num_slots:
+            raise ConversationError(
+                f"all {self.num_slots} conversation slots are busy; try again later", reasons.NO_FREE_SLOT)
+        conv = Conversation(key, setup)
+        self.open[key] = conv
+        self.all.append(conv)
+        self.to_start.append(conv)
+
+    def conversation(self, key: int) -> Conversation:
+        conv = self.open.get(key)
+        if conv is None:
+            raise ConversationError(
+                f"conversation {key} is not open (its start request failed, was never sent, it "
+                "ended, or it was idle too long)")
+        return conv
+
+    def enqueue(self, conv: Conversation, request: Request, close: bool, first_index: int | None) -> tuple:
+        """Queue a request's items: (the lost-frame message if `first_index` is not the frame
+        due, which marks the conversation closing; whether the request is an empty closing one
+        that is answered at its conversation's release)."""
+        if first_index is not None and first_index != conv.submitted:
+            conv.closing = True
+            return (f"frame {first_index} of conversation {conv.key} arrived where frame {conv.submitted} "
+                    "was due: a frame was lost or repeated; the conversation ends"), False
+        queued = time.time()  # wall clock, for the frame trace
+        conv.queue.extend((request, item, queued) for item in request.items)
+        conv.submitted += len(request.items)
+        conv.last_active = time.monotonic()
+        deferred = False
+        if request.items:
+            conv.requests.append(request)
+        elif close and not conv.idle:
+            conv.on_released.append(request.on_done)
+            deferred = True
+        if close:
+            self.close(conv)
+        return None, deferred
+
+    def close(self, conv: Conversation) -> None:
+        """No more requests: its key is free at once, its slot once what it owes is answered."""
+        conv.closing = True
+        if self.open.get(conv.key) is conv:
+            del self.open[conv.key]
+
+    def close_idle(self, now: float, idle_timeout_s: float) -> list[Conversation]:
+        """Close the open conversations with nothing pending for `idle_timeout_s`; returns them."""
+        idle = [c for c in self.open.values() if c.idle and now - c.last_active > idle_timeout_s]
+        for conv in idle:
+            self.close(conv)
+        return idle
+
+    def release(self, conv: Conversation, stop: Callable[[int], None]) -> list:
+        """Free the conversation's slot (`stop(slot)` clears the stage's state); returns the
+        callbacks owed at its release."""
+        if conv.slot is not None:
+            try:
+                stop(conv.slot)
+            finally:
+                self._free.append(conv.slot)
+                conv.slot = None
+        if conv in self.to_start:
+            self.to_start.remove(conv)
+        if conv in self.all:
+            self.all.remove(conv)
+        owed, conv.on_released = conv.on_released, []
+        return owed
+
+    def take_starting(self) -> list[Conversation]:
+        """The conversations to start, each given the lowest free slot (steps run on the first rows)."""
+        starting = list(self.to_start)
+        self.to_start.clear()
+        for conv in starting:
+            if conv.slot is None:
+                conv.slot = min(self._free)
+                self._free.remove(conv.slot)
+        return starting
+
+    def live(self) -> list[Conversation]:
+        return [c for c in self.all if c.slot is not None]
+
+    def next_batch(self, prefilling: Callable[[int], bool]) -> dict[int, tuple]:
+        """Each live conversation's next item, by slot: (conversation, request, item, queued at);
+        none for slots still prefilling."""
+        return {c.slot: (c, *c.queue.popleft()) for c in self.live() if c.queue and not prefilling(c.slot)}
+
+    def owes_work(self) -> bool:
+        """Whether some conversation still owes answers or a release (shutdown waits for none)."""
+        return any(c.requests or c.closing for c in self.all)

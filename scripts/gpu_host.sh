@@ -10,19 +10,22 @@
 #                                    # two parts under build/gpu-bundle/ (26 + 35 MiB)
 #   scripts/gpu_host.sh install PART # there: unpack build/gpu-bundle/PART.tar.xz (part1, part2)
 #   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
+#   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
 #   scripts/gpu_host.sh serve        # there: tritonserver in the background, until ready
+#   scripts/gpu_host.sh bench [ARG]  # there, against it: the load sweep, then perf_analyzer (ARG: --out DIR)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
 # On the lent machine each step is one `device` call (a warm machine keeps build/ and
-# checkpoints/ between calls): install part1, then install part2 + checkpoint + serve + the
-# benchmark; the README's "Serving on the lent H200" section has the exact calls.
+# checkpoints/ between calls, and a server started): install part1; install part2 + checkpoint
+# + test; serve + bench. The README's "Serving on a GPU host" section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 BUNDLE=build/gpu-bundle
 HOST=build/gpu-host
 VENV=$HOST/venv
+TRACE_DIR=$ROOT/$HOST/trace  # the stages' frame traces (trace.py), for the benchmark's breakdown
 CHECKPOINT=${PERSONAPLEX_CHECKPOINT:-$ROOT/checkpoints/7b}
 PYV=3.12
 
@@ -120,7 +123,8 @@ serve() {
     mkdir -p "$HOST"
     if ready; then echo "already serving"; return; fi
     local started=$SECONDS
-    setsid python -m personaplex_triton.launch > "$HOST/tritonserver.log" 2>&1 < /dev/null &
+    rm -rf "$TRACE_DIR"
+    PERSONAPLEX_TRACE_DIR=$TRACE_DIR setsid python -m personaplex_triton.launch > "$HOST/tritonserver.log" 2>&1 < /dev/null &
     echo $! > "$HOST/tritonserver.pid"
     until ready; do
         if ! kill -0 "$(cat "$HOST/tritonserver.pid")" 2>/dev/null; then
@@ -131,6 +135,21 @@ serve() {
     done
     echo "ready in $((SECONDS - started)) s; log $HOST/tritonserver.log"
     grep -E "conversation slots|Mimi (en|de)coder on" "$HOST/tritonserver.log" || true
+}
+
+gpu_tests() {
+    environment
+    # Apart: memory the library tests leave in the pytest process would shrink the served pool.
+    python -m pytest -q -rs tests/test_gpu_server.py
+    python -m pytest -q -rs tests/test_gpu.py
+}
+
+bench() {
+    environment
+    local common=(--url localhost:8001 --server-log "$HOST/tritonserver.log" "$@")
+    python -m bench.run "${common[@]}" --name h200 --stages load --conversations 1 8 16 32 48 64 76 96 \
+        --seconds 30 --new-persona --trace-dir "$TRACE_DIR"
+    python -m bench.run "${common[@]}" --name h200-perf-analyzer --stages perf-analyzer --pa-concurrency 1 16 64
 }
 
 stop() {
@@ -149,7 +168,9 @@ case "${1:-}" in
     bundle) bundle ;;
     install) install "${2:-}" ;;
     checkpoint) checkpoint ;;
+    test) gpu_tests ;;
     serve) serve ;;
+    bench) shift; bench "$@" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
     *) sed -n '2,21p' "$0"; exit 2 ;;

@@ -1,11 +1,12 @@
 """On a CUDA GPU, against a real tritonserver there: the served path of the GPU deployment.
 
-`PERSONAPLEX_GPU_URL` names a server already running on this machine (the 7B one that
-`scripts/gpu_host.sh serve` starts on the lent H200); without it a server is started on the
-default checkpoint. The exactness test starts its own server on the generated checkpoint with
-the LM in float32: in bf16 a step of 1 row and one of 64 run different kernels, so near-tied
-greedy choices of random weights can flip (the bf16 agreement is measured in the benchmarks).
-Skipped without a CUDA GPU: CI has none, so these run on the device.
+`PERSONAPLEX_GPU_URL` names a server already running on this machine; without it a server is
+started on the default checkpoint (`scripts/gpu_host.sh test`: the 7B one). The exactness test
+runs first, on a server of its own on the generated checkpoint with the LM in float32, gone
+before the other starts: a served 7B leaves too little GPU memory for a second server. In bf16
+a step of 1 row and one of 64 run different kernels, so near-tied greedy choices of random
+weights can flip (the bf16 agreement is measured in the benchmarks). Skipped without a CUDA
+GPU: CI has none, so these run on the device.
 """
 
 import os
@@ -37,7 +38,7 @@ def gpu_url(tmp_path_factory):
         yield server.grpc_url
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fp32_url(tiny_checkpoint, tmp_path_factory):
     """A server of its own on the generated checkpoint, the LM in float32, 64 talker slots."""
     folder = tmp_path_factory.mktemp("fp32")
@@ -81,19 +82,19 @@ def alone_and_beside_others(url, speech):
     return alone, beside
 
 
-def test_one_output_frame_per_input_frame(gpu_url, speech):
-    result = stream_conversation(speech, url=gpu_url, persona=PROBE, realtime=True)
-    assert result.frames_sent == result.frames_received == FRAMES
-    assert len(result.text_pieces) == FRAMES and result.audio.shape == (FRAMES * contract.FRAME_SAMPLES,)
-    assert np.isfinite(result.audio).all() and result.audio.std() > 0
-
-
 def test_greedy_tokens_alone_and_beside_63_others_in_fp32(fp32_url, speech):
     alone, beside = alone_and_beside_others(fp32_url, speech)
     assert beside.text_pieces == alone.text_pieces
     # The codes are equal when the decoded audio is: one other code changes a frame entirely.
     # Within the tolerance: the decoder's batch (1 row alone, 64 beside) changes its kernels.
     np.testing.assert_allclose(beside.audio, alone.audio, atol=1e-3)
+
+
+def test_one_output_frame_per_input_frame(gpu_url, speech):
+    result = stream_conversation(speech, url=gpu_url, persona=PROBE, realtime=True)
+    assert result.frames_sent == result.frames_received == FRAMES
+    assert len(result.text_pieces) == FRAMES and result.audio.shape == (FRAMES * contract.FRAME_SAMPLES,)
+    assert np.isfinite(result.audio).all() and result.audio.std() > 0
 
 
 def test_greedy_agreement_alone_and_beside_63_others(gpu_url, speech, record_property):

@@ -289,6 +289,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     result = run(args.minutes, args.workers, args.idle_timeout, args.warmup, args.sample, print)
+    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"soak-{result['date'][:10]}-{result['machine']['slug']}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(markdown(result))

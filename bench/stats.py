@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from personaplex_stream import latency_percentiles
 from personaplex_triton import contract
 
 FRAME_MS = 1000.0 * contract.FRAME_SAMPLES / contract.SAMPLE_RATE  # 80 ms
@@ -20,10 +21,8 @@ QUANTILES = (50, 95, 99)
 def percentiles(values_ms: Sequence[float], quantiles: Iterable[int] = QUANTILES) -> dict[str, float | None]:
     """{"p50": ..., "p95": ..., "p99": ...} (linear interpolation), None for each when empty."""
     quantiles = tuple(quantiles)
-    if len(values_ms) == 0:
-        return {f"p{q}": None for q in quantiles}
-    found = np.percentile(np.asarray(values_ms, dtype=np.float64), quantiles)
-    return {f"p{q}": round(float(v), 1) for q, v in zip(quantiles, found)}
+    found = latency_percentiles(values_ms, quantiles)
+    return {f"p{q}": None if v is None else round(v, 1) for q, v in zip(quantiles, found)}
 
 
 def late_frames(latencies_ms: Sequence[float], budget_ms: float = FRAME_MS) -> int:

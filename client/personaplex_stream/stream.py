@@ -149,12 +149,12 @@ def new_sequence_id() -> int:
 # ----------------------------------------------------------------------------- result
 
 
-def latency_percentiles(latencies_ms: Sequence[float]) -> tuple[Optional[float], Optional[float]]:
-    """(p50, p95) of the latencies in ms (linear interpolation), or (None, None) if empty."""
+def latency_percentiles(latencies_ms: Sequence[float], quantiles: Sequence[float] = (50, 95)) -> tuple:
+    """The latencies' percentiles in ms (linear interpolation), p50 and p95 unless `quantiles`
+    says otherwise; a None for each if there are none."""
     if len(latencies_ms) == 0:
-        return None, None
-    p50, p95 = np.percentile(np.asarray(latencies_ms, dtype=np.float64), [50, 95])
-    return float(p50), float(p95)
+        return (None,) * len(quantiles)
+    return tuple(float(v) for v in np.percentile(np.asarray(latencies_ms, dtype=np.float64), quantiles))
 
 
 @dataclass

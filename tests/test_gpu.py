@@ -1,7 +1,7 @@
-"""On a CUDA GPU: the CUDA-graphed step gives exactly the eager step's tokens, a
-conversation's tokens do not depend on the others in the batch there either, the ring attention
-gives moshi's attention's tokens, and the PyTorch Mimi steps (graphed and eager) match moshi's
-streaming Mimi."""
+"""On a CUDA GPU: the CUDA-graphed step gives exactly the eager step's tokens (with a bf16 and an
+fp8 KV cache), a conversation's tokens do not depend on the others in the batch there either,
+the ring attention gives moshi's attention's tokens and reads an fp8 cache, and the PyTorch Mimi
+steps (graphed and eager) match moshi's streaming Mimi."""
 
 import pytest
 import torch
@@ -74,6 +74,28 @@ def test_ring_attention_kernel_matches_softmax_attention(dtype, stored):
         expected = torch.softmax(q[b].float() @ k.transpose(-1, -2) / D ** 0.5, dim=-1) @ v
         torch.testing.assert_close(out[b].float(), expected, **({} if dtype == torch.float32 else
                                                                  {"atol": 2e-2, "rtol": 2e-2}))
+
+
+def test_fp8_kv_close_to_bf16(lm):
+    """The temporal transformer with an fp8 KV cache, a prefill chunk (moshi's attention over the
+    ring upcast) then one-frame steps (the ring kernel loading fp8), stays close to the bf16
+    cache's outputs."""
+    outputs = {}
+    ring_attention.install(lm.transformer)
+    try:
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            kv_cache.store_in(lm.transformer, dtype)
+            torch.manual_seed(2)
+            with lm.transformer.streaming(2):
+                x = [torch.randn(2, 7, lm.dim, device="cuda", dtype=torch.bfloat16)]
+                x += [torch.randn(2, 1, lm.dim, device="cuda", dtype=torch.bfloat16) for _ in range(9)]
+                outputs[dtype] = [lm.transformer(chunk).float() for chunk in x]
+    finally:
+        ring_attention.uninstall(lm.transformer)
+        kv_cache.store_in(lm.transformer, torch.bfloat16)
+    for ref, fp8 in zip(outputs[torch.bfloat16], outputs[torch.float8_e4m3fn]):
+        assert torch.isfinite(fp8).all()
+        assert torch.linalg.norm(fp8 - ref) <= 0.1 * torch.linalg.norm(ref)
 
 
 def test_ring_attention_gives_moshis_tokens():

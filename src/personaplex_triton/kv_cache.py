@@ -82,8 +82,9 @@ class CastRingKVCache(RingKVCache):
 
 
 def _init_state(self, batch_size: int, dtype: torch.dtype) -> _MHAState:
-    """moshi's `StreamingMultiheadAttention._init_streaming_state`, its cache in `dtype`:
-    allocated so from the start (the model's dtype first would need twice the pool's memory)."""
+    """moshi's `StreamingMultiheadAttention._init_streaming_state`, its cache in `dtype` from the
+    start: moshi's own allocates the whole pool's cache in the model's dtype first, and 128
+    conversations of bf16 cache do not fit in an H200."""
     weight = self.in_projs[0].weight
     cache = CastRingKVCache(batch_size, self.num_heads // self.kv_repeat, self.embed_dim // self.num_heads,
                             self.context, device=weight.device, dtype=dtype)

@@ -115,8 +115,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
            splits: int | None = None, block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, lengths[b]) of keys and values
     [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout; q's
-    dtype or float8_e4m3fn); returns [B, H, 1, D] in q's dtype. A row with no entries gets zeros. `splits`, `block`,
-    `warps`: the launch (default: `num_splits`), for the benchmark."""
+    dtype or float8_e4m3fn); returns [B, H, 1, D] in q's dtype. A row with no entries gets
+    zeros. `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark."""
     B, H, _, D = q.shape
     capacity = keys.shape[2]
     splits = splits or num_splits(B * H, capacity)

@@ -36,6 +36,14 @@ def test_kv_dtype_parameter():
         kv_cache.resolve("fp8", "cuda", torch.bfloat16)
 
 
+def test_talker_refuses_fp8_on_a_cpu(tiny_checkpoint):
+    """The talker parameter reaches the service, which says why before it allocates a pool."""
+    from personaplex_triton.serving import TalkerService
+
+    with pytest.raises(ValueError, match="float8_e4m3fn needs a CUDA GPU"):
+        TalkerService(str(tiny_checkpoint), 2, "cpu", kv_dtype="float8_e4m3fn")
+
+
 @pytest.fixture(scope="module")
 def lm():
     torch.manual_seed(0)

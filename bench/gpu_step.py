@@ -4,16 +4,21 @@ step and both Mimi steps (PyTorch runtime) run under CUDA graphs (`--no-cuda-gra
 the baseline).
 
     python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 16 32 64 --fill 400 3000 --out bench/results
+    python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 32 64 128 --attention ring \
+        --kv-dtype bfloat16 float8_e4m3fn                              (bf16 against fp8 KV)
     python bench/gpu_step.py --from-json bench/results/gpu_step.json   (table and plot again)
 
 Writes gpu_step.{json,md,png} (gpu_step_eager.* with --no-cuda-graphs) under --out. A tick =
 Mimi-encode every slot's user frame, one temporal-transformer step, the 16-codebook depformer,
 sampling, results on the host (Talker.tick); code2wav = one batched streaming Mimi decode
-(Code2Wav.tick). Both attentions (ring_attention.py and moshi's) at each context fill, and
-their greedy samples from the same states (`attention_agreement`).
+(Code2Wav.tick). Each attention (ring_attention.py, moshi's) and KV cache dtype (kv_cache.py)
+at each context fill; per KV dtype, the bytes a conversation holds and how many fit beside the
+weights (a pool of more than `max_conversations auto` gives is not run); and the greedy samples
+of ring against moshi attention, and of fp8 against bf16 KV, from the same states (`agreement`).
 """
 
 import argparse
+import copy
 import gc
 import json
 import platform
@@ -36,21 +41,26 @@ def age(talker, frames: int) -> None:
             state.offset[:] = frames
 
 
-def attention_agreement(lm, frames: int) -> dict:
-    """From one state per step, what the ring attention's eager step and moshi's sample
-    (greedy, text and 16 codebooks), over `frames` steps of one conversation on random user
-    codes: each step is played with both attentions from the same snapshot, then the
-    conversation goes on from moshi's. Agreement from one state, not of two free runs: with
-    random weights one flipped near-tie sends two free runs apart for good."""
-    from personaplex_triton import ring_attention
+def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
+    """From one state per step, what two generators on `lm`'s weights sample (eager, greedy,
+    text and 16 codebooks; `reference` and `candidate`: their SlotGenerator options), over
+    `frames` steps of one conversation on random user codes: each step is played by both from
+    the reference's state, then the conversation goes on from the reference's. Agreement from
+    one state, not of two free runs: with random weights one flipped near-tie sends two free
+    runs apart for good."""
     from personaplex_triton.generation import SlotGenerator, StepInputs
     from personaplex_triton.sampling import SamplingParams
 
-    generator = SlotGenerator(lm, 1, cuda_graphs=False, ring=True)
-    samples = []
-    model_step = generator._model_step
-    generator._model_step = lambda *args: samples.append(model_step(*args)) or samples[-1]
-    generator.start(0, SamplingParams(greedy=True))
+    twin = copy.deepcopy(lm, memo={id(t): t for t in (*lm.parameters(), *lm.buffers())})  # own streaming state
+    generators = [SlotGenerator(model, 1, cuda_graphs=False, **options)
+                  for model, options in ((lm, reference), (twin, candidate))]
+    samples = [None, None]
+    for i, generator in enumerate(generators):
+        def recorded(*args, i=i, model_step=generator._model_step):
+            samples[i] = model_step(*args)
+            return samples[i]
+        generator._model_step = recorded
+        generator.start(0, SamplingParams(greedy=True))
     codes = torch.Generator().manual_seed(0)
     equal = total = 0
     differing_steps = []
@@ -60,19 +70,16 @@ def attention_agreement(lm, frames: int) -> dict:
                             torch.randint(0, 2048, (1, 8), generator=codes).cuda(),
                             torch.zeros(1, 8, dtype=torch.long, device="cuda"), none,
                             torch.zeros(1, dtype=torch.long, device="cuda"), none)
-        snapshot = generator.snapshot(0)
-        ring_attention.install(lm.transformer)
-        generator.step(inputs)
-        ring = samples[-1].clone()
-        generator.restore(0, snapshot)
-        ring_attention.uninstall(lm.transformer)
-        generator.step(inputs)
-        same = ring == samples[-1]
+        generators[1].restore(0, generators[0].snapshot(0))
+        for generator in generators:
+            generator.step(inputs)
+        same = samples[0] == samples[1]
         equal += int(same.sum())
         total += same.numel()
         if not bool(same.all()):
             differing_steps.append(step)
-    generator.close()
+    for generator in generators:
+        generator.close()
     return {"frames": frames, "tokens_equal_pct": round(100 * equal / total, 2),
             "steps_with_a_difference": len(differing_steps), "first_differing_steps": differing_steps[:10]}
 
@@ -115,32 +122,16 @@ def main():
     from moshi.models import loaders as moshi_loaders
     import sentencepiece
 
-    from personaplex_triton import loaders
+    from personaplex_triton import kv_cache, loaders
     from personaplex_triton.code2wav import Code2Wav
     from personaplex_triton.mimi_runtime import TorchStepRunner
-    from personaplex_triton.persona import Persona, VoicePrompt
-    from personaplex_triton.sampling import SamplingParams
-    from personaplex_triton.talker import Talker, TalkerSetup
+    from personaplex_triton.persona import VoicePrompt
+    from personaplex_triton.talker import conversation_bytes, conversations_that_fit
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--tokenizer", type=Path, help="a SentencePiece model (any)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="eager model and Mimi steps")
-    parser.add_argument("--attention", nargs="+", choices=["ring", "moshi"], default=["ring", "moshi"],
-                        help="the step's attention: ring_attention.py, or moshi's (the reference)")
-    parser.add_argument("--fill", type=int, nargs="+", default=[3000],
-                        help="frames each conversation is into (its KV cache holds min(fill, 3000))")
-    parser.add_argument("--agreement-frames", type=int, default=200,
-                        help="steps whose greedy samples are compared between the attentions (0: none)")
-    args = parser.parse_args()
+    args = parse_args()
     if args.from_json:
         report = json.loads(args.from_json.read_text())
         return write_report(report, args.out, args.from_json.stem)
-    if args.tokenizer is None:
-        parser.error("--tokenizer is required for a run")
 
     torch.manual_seed(0)
     started = time.perf_counter()
@@ -155,34 +146,35 @@ def main():
     voice = VoicePrompt("noise", frames=(0.1 * rng.standard_normal((2, 1920))).astype(np.float32))
 
     graphs = not args.no_cuda_graphs
-    pool = max(args.slots)
-    frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(pool)}
-    agreement = attention_agreement(lm, args.agreement_frames) if args.agreement_frames else None
-    print("per-step agreement, ring vs moshi attention (eager):", agreement, flush=True)
-    rows = []
-    for attention in args.attention:
-        talker = Talker(lm, TorchStepRunner("encoder", mimi, cuda_graphs=graphs), tokenizer, pool,
-                        persona_cache_size=1, cuda_graphs=graphs, ring_attention=attention == "ring")
-        if attention == "ring" and not talker.generator.ring_attention:
-            raise SystemExit("ring attention is not available here (it needs CUDA and OpenAI Triton)")
-        for s in range(pool):  # the first prefills the persona, the others start from the cache
-            talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
-        prefill_ms = new_persona_ms(talker, tokenizer)
-        print(f"{attention} attention: a new persona's start (its prefill) {prefill_ms} ms", flush=True)
-        for fill in args.fill:
-            age(talker, fill)
-            for slots in args.slots:  # the first `slots` slots tick: the step runs on their bucket
-                batch = {s: frames[s] for s in range(slots)}
-                torch.cuda.reset_peak_memory_stats()
-                rows.append({"attention": attention, "context_frames": fill, "slots": slots,
-                             "new_persona_start_ms": prefill_ms,
-                             "talker_tick_ms": timed(lambda: talker.tick(batch), args.steps),
-                             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
-                print(rows[-1], flush=True)
-        talker.close()
-        del talker
-        gc.collect()  # the CUDA graphs' memory pools go with the last reference
-        torch.cuda.empty_cache()
+    frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(max(args.slots))}
+    agreements = {}
+    if args.agreement_frames and {"ring", "moshi"} <= set(args.attention):
+        agreements["attention"] = agreement(lm, args.agreement_frames, {"ring": False}, {"ring": True})
+        print("per-step agreement, ring vs moshi attention (eager):", agreements["attention"], flush=True)
+    if args.agreement_frames and set(args.kv_dtype) == set(kv_cache.KV_DTYPES):
+        agreements["kv"] = agreement(lm, args.agreement_frames, {"kv_dtype": torch.bfloat16},
+                                     {"kv_dtype": torch.float8_e4m3fn})
+        print("per-step agreement, fp8 vs bf16 KV (eager, ring attention):", agreements["kv"], flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()  # the agreements' pools: free memory is measured next
+    rows, memory = [], {}
+    for kv_name in args.kv_dtype:
+        kv_dtype = kv_cache.KV_DTYPES[kv_name]
+        encoder = TorchStepRunner("encoder", mimi, cuda_graphs=graphs)
+        free, _ = torch.cuda.mem_get_info()  # the weights loaded, no pool yet: as serving sizes its pool
+        each = conversation_bytes(lm, encoder, kv_dtype)
+        auto, why = conversations_that_fit(lm, encoder, kv_dtype)
+        memory[kv_name] = {"kv_bytes_per_conversation": kv_cache.bytes_per_conversation(lm.transformer, kv_dtype),
+                           "bytes_per_conversation": each, "free_gib_after_weights": round(free / 2**30, 1),
+                           "conversations_that_fit": free // each, "max_conversations_auto": auto}
+        print(f"{kv_name} KV: {memory[kv_name]} ({why})", flush=True)
+        pool = max([s for s in args.slots if s <= auto], default=0)  # a larger one would not fit
+        rows += [{"attention": a, "kv_dtype": kv_name, "context_frames": fill, "slots": slots,
+                  "talker_tick_ms": None, "peak_gib": None}
+                 for a in args.attention for fill in args.fill for slots in args.slots if slots > pool]
+        for attention in args.attention if pool else ():
+            encoder = TorchStepRunner("encoder", mimi, cuda_graphs=graphs)
+            rows += talker_ticks(lm, encoder, tokenizer, pool, attention, kv_dtype, voice, frames, args)
     code2wav = []
     for slots in args.slots:
         decoder = Code2Wav(TorchStepRunner("decoder", mimi, cuda_graphs=graphs), slots)
@@ -196,8 +188,68 @@ def main():
               "torch": torch.__version__, "python": platform.python_version(),
               "lm_parameters": params, "dtype": "bfloat16", "cuda_graphs": not args.no_cuda_graphs,
               "build_s": round(build_s, 1), "steps": args.steps, "rows": rows, "code2wav": code2wav,
-              "agreement": agreement}
+              "memory": memory, "agreement": agreements.get("attention"), "kv_agreement": agreements.get("kv")}
     write_report(report, args.out, "gpu_step" if report["cuda_graphs"] else "gpu_step_eager")
+
+
+def talker_ticks(lm, encoder, tokenizer, pool: int, attention: str, kv_dtype, voice, frames, args) -> list[dict]:
+    """A talker of `pool` slots: a new persona's start, then the tick of the first `slots` slots
+    (the step runs on their bucket) at each fill and slot count up to the pool."""
+    from personaplex_triton.persona import Persona
+    from personaplex_triton.sampling import SamplingParams
+    from personaplex_triton.talker import Talker, TalkerSetup
+
+    graphs = not args.no_cuda_graphs
+    talker = Talker(lm, encoder, tokenizer, pool, persona_cache_size=1, cuda_graphs=graphs,
+                    ring_attention=attention == "ring", kv_dtype=kv_dtype)
+    if attention == "ring" and not talker.generator.ring_attention:
+        raise SystemExit("ring attention is not available here (it needs CUDA and OpenAI Triton)")
+    kv_name = str(kv_dtype).removeprefix("torch.")
+    for s in range(pool):  # the first prefills the persona, the others start from the cache
+        talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
+    prefill_ms = new_persona_ms(talker, tokenizer)
+    print(f"{attention} attention, {kv_name} KV: a new persona's start (its prefill) {prefill_ms} ms", flush=True)
+    rows = []
+    for fill in args.fill:
+        age(talker, fill)
+        for slots in (s for s in args.slots if s <= pool):
+            batch = {s: frames[s] for s in range(slots)}
+            torch.cuda.reset_peak_memory_stats()
+            rows.append({"attention": attention, "kv_dtype": kv_name, "context_frames": fill, "slots": slots,
+                         "new_persona_start_ms": prefill_ms,
+                         "talker_tick_ms": timed(lambda: talker.tick(batch), args.steps),
+                         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)})
+            print(rows[-1], flush=True)
+    talker.close()
+    del talker
+    gc.collect()  # the CUDA graphs' memory pools go with the last reference
+    torch.cuda.empty_cache()
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from personaplex_triton import kv_cache
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tokenizer", type=Path, help="a SentencePiece model (any)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="eager model and Mimi steps")
+    parser.add_argument("--attention", nargs="+", choices=["ring", "moshi"], default=["ring", "moshi"],
+                        help="the step's attention: ring_attention.py, or moshi's (the reference)")
+    parser.add_argument("--kv-dtype", nargs="+", choices=list(kv_cache.KV_DTYPES), default=["bfloat16"],
+                        help="what the KV cache stores (kv_cache.py)")
+    parser.add_argument("--fill", type=int, nargs="+", default=[3000],
+                        help="frames each conversation is into (its KV cache holds min(fill, 3000))")
+    parser.add_argument("--agreement-frames", type=int, default=200,
+                        help="steps whose greedy samples are compared, ring against moshi attention where both "
+                             "run, fp8 against bf16 KV where both run (0: none)")
+    args = parser.parse_args(argv)
+    if args.tokenizer is None and args.from_json is None:
+        parser.error("--tokenizer is required for a run")
+    return args
 
 
 def write_report(report, out: Path, name: str) -> None:
@@ -205,33 +257,50 @@ def write_report(report, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     mode = "CUDA graphs" if report["cuda_graphs"] else "eager"
-    tick = {(r["attention"], r["context_frames"], r["slots"]): r for r in rows}
-    attentions = sorted({r["attention"] for r in rows}, reverse=True)  # ring first
+    kv = {r.get("kv_dtype", "bfloat16") for r in rows}  # results before fp8 KV have none: bf16
+    tick = {(r["attention"], r.get("kv_dtype", "bfloat16"), r["context_frames"], r["slots"]): r for r in rows}
+    runs = sorted({key[:2] for key in tick}, key=lambda run: (run[0] != "ring", run[1]))  # ring first, bf16 first
+    label = {run: f"{run[0]} attention" + (f", {run[1]} KV" if len(kv) > 1 else "") for run in runs}
+    short = {run: run[1] if len({a for a, _ in runs}) == 1 else run[0] for run in runs}
+    ratio = len(runs) == 2
     lines = [f"# GPU tick times ({report['date']}, {report['gpu']}, torch {report['torch']}, {mode})", "",
              f"PersonaPlex 7B architecture, {report['lm_parameters'] / 1e9:.2f} B parameters, random bf16 "
              f"weights; median of {steps} ticks (Talker.tick: Mimi encode, step, results on the host). "
              "Each conversation is `context frames` into its conversation (its KV cache holds "
-             "min(that, 3000) entries). Command: `python bench/gpu_step.py --tokenizer ... --fill ...`.", "",
-             "| context frames | live conversations | " + " | ".join(f"talker tick, {a} attention (ms)" for a in attentions)
-             + (" | moshi / ring" if len(attentions) == 2 else "") + " | peak GPU memory (GiB) |",
-             "| ---: | ---: | " + " | ".join("---:" for _ in attentions) + (" | ---:" if len(attentions) == 2 else "")
-             + " | ---: |"]
-    for fill, slots in sorted({(r["context_frames"], r["slots"]) for r in rows}):
-        ms = [tick[(a, fill, slots)]["talker_tick_ms"] for a in attentions]
-        ratio = [f"{ms[1] / ms[0]:.2f}"] if len(ms) == 2 else []
-        peak = max(tick[(a, fill, slots)]["peak_gib"] for a in attentions)
-        lines.append(f"| {fill} | {slots} | " + " | ".join(map(str, ms + ratio)) + f" | {peak} |")
-    starts = sorted({(r["attention"], r.get("new_persona_start_ms")) for r in rows})
+             "min(that, 3000) entries); - where that many conversations do not fit beside the weights. "
+             "Command: `python bench/gpu_step.py --tokenizer ... --fill ...`.", "",
+             "| context frames | live conversations | " + " | ".join(f"talker tick, {label[run]} (ms)" for run in runs)
+             + (f" | {short[runs[1]]} / {short[runs[0]]}" if ratio else "")
+             + f" | peak GPU memory (GiB{', ' + ' / '.join(short[run] for run in runs) if len(runs) > 1 else ''}) |",
+             "| ---: | ---: | " + " | ".join("---:" for _ in runs) + (" | ---:" if ratio else "") + " | ---: |"]
+    for fill, slots in sorted({key[2:] for key in tick}):
+        ms = [tick.get((*run, fill, slots), {}).get("talker_tick_ms") for run in runs]
+        peaks = [tick.get((*run, fill, slots), {}).get("peak_gib") for run in runs]
+        cells = [str(m) if m is not None else "-" for m in ms]
+        if ratio:
+            cells.append(f"{ms[1] / ms[0]:.2f}" if None not in ms else "-")
+        lines.append(f"| {fill} | {slots} | " + " | ".join(cells) + " | "
+                     + " / ".join(str(p) if p is not None else "-" for p in peaks) + " |")
+    starts = sorted({(label[(r["attention"], r.get("kv_dtype", "bfloat16"))], r["new_persona_start_ms"])
+                     for r in rows if r.get("new_persona_start_ms") is not None})
     lines += ["", "A new persona's start (its prefill: a 200-frame voice bundle and a 20-token role prompt, "
-              "the pool idle): " + ", ".join(f"{ms} ms ({a} attention)" for a, ms in starts) + "."]
+              "the pool idle): " + ", ".join(f"{ms} ms ({run})" for run, ms in starts) + "."]
+    if report.get("memory"):
+        lines += ["", "| KV cache | KV per conversation (GiB) | with Mimi's state (GiB) | free after the weights (GiB) "
+                  "| conversations that fit (free / per conversation) | `max_conversations auto` |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {dtype} | {m['kv_bytes_per_conversation'] / 2**30:.2f} | {m['bytes_per_conversation'] / 2**30:.2f} "
+                  f"| {m['free_gib_after_weights']} | {m['conversations_that_fit']} | {m['max_conversations_auto']} |"
+                  for dtype, m in report["memory"].items()]
     lines += ["", "| live conversations | code2wav tick (ms) |", "| ---: | ---: |"]
     lines += [f"| {r['slots']} | {r['code2wav_tick_ms']} |" for r in report["code2wav"]]
-    if report.get("agreement"):
-        a = report["agreement"]
-        lines += ["", f"Greedy samples (text + 16 codebooks) of the ring attention's eager step against moshi's, "
-                  f"from the same state at each of {a['frames']} steps of one conversation: {a['tokens_equal_pct']}% "
-                  f"equal; {a['steps_with_a_difference']} steps with a difference (first: "
-                  f"{a['first_differing_steps']})."]
+    for key, what in (("agreement", "the ring attention's eager step against moshi's"),
+                      ("kv_agreement", "the eager step with an fp8 KV cache against a bf16 one (ring attention)")):
+        if report.get(key):
+            a = report[key]
+            lines += ["", f"Greedy samples (text + 16 codebooks) of {what}, from the same state at each of "
+                      f"{a['frames']} steps of one conversation: {a['tokens_equal_pct']}% equal; "
+                      f"{a['steps_with_a_difference']} steps with a difference (first: {a['first_differing_steps']})."]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -240,11 +309,12 @@ def write_report(report, out: Path, name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for attention in attentions:
+    for run in runs:
         for fill in sorted({r["context_frames"] for r in rows}):
-            mine = [r for r in rows if r["attention"] == attention and r["context_frames"] == fill]
+            mine = [r for key, r in sorted(tick.items(), key=lambda item: item[0][3])
+                    if key[:3] == (*run, fill) and r["talker_tick_ms"] is not None]
             ax.plot([r["slots"] for r in mine], [r["talker_tick_ms"] for r in mine],
-                    "o-" if attention == "ring" else "s--", label=f"talker, {attention} attention, {fill} frames in")
+                    "o-" if run[0] == "ring" else "s--", label=f"talker, {label[run]}, {fill} frames in")
     ax.plot([r["slots"] for r in report["code2wav"]], [r["code2wav_tick_ms"] for r in report["code2wav"]],
             "^:", label="code2wav")
     slots = sorted({r["slots"] for r in rows})

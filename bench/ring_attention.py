@@ -1,7 +1,7 @@
 """One decode step's attention of one 7B layer on a GPU: moshi's (SDPA over the whole ring with
 a mask), SDPA over the whole ring without one (flash, what a full ring costs at best), and
 ring_attention.attend (reads only the filled entries), at several batches and context fills,
-and the launch variants of `attend`.
+the launch variants of `attend`, and `attend` over the ring stored in fp8 (kv_cache.py).
 
     python bench/ring_attention.py --out bench/results
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from personaplex_triton import ring_attention
+from personaplex_triton import kv_cache, ring_attention
 
 HEADS, HEAD_DIM, CAPACITY = 32, 128, 3000  # the 7B's temporal transformer
 
@@ -48,6 +48,7 @@ def main():
     rows = []
     for batch in args.batch:
         cache = torch.randn(2, batch, HEADS, CAPACITY, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        fp8 = kv_cache.store(cache, torch.float8_e4m3fn)
         q = torch.randn(batch, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         for fill in args.fill:
             lengths = torch.full((batch,), fill, device="cuda").clamp(max=CAPACITY)
@@ -58,10 +59,11 @@ def main():
                    "sdpa_full_ring_us": timed_us(lambda: F.scaled_dot_product_attention(q, cache[0], cache[1]))}
             for name, launch in variants.items():
                 row[name] = timed_us(lambda: ring_attention.attend(q, cache[0], cache[1], lengths, **launch))
+            row["attend, fp8 ring"] = timed_us(lambda: ring_attention.attend(q, fp8[0], fp8[1], lengths))
             row["attend_gb_s"] = round(row["kv_read_mb"] / row["attend"] * 1e3)  # MB per µs = 1000 GB/s
             rows.append(row)
             print(row, flush=True)
-        del cache
+        del cache, fp8
     report = {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "heads": HEADS, "head_dim": HEAD_DIM, "capacity": CAPACITY,
               "rows": rows}
@@ -76,7 +78,8 @@ def write_report(report, out: Path) -> None:
     lines = [f"# One layer's decode attention ({report['date']}, {report['gpu']}, torch {report['torch']})", "",
              f"{report['heads']} heads of {report['head_dim']}, a {report['capacity']}-entry bf16 ring; median "
              "microseconds per call. moshi: SDPA over the whole ring with a mask; sdpa full ring: no mask "
-             "(flash); attend: ring_attention.py, which reads only the filled entries. "
+             "(flash); attend: ring_attention.py, which reads only the filled entries (fp8 ring: the "
+             "same entries stored in float8_e4m3fn, half the bytes of `filled KV`). "
              "Command: `python bench/ring_attention.py`.", "",
              "| batch | context frames | filled KV (MB) | " + " | ".join(columns) + " | attend GB/s |",
              "| ---: | ---: | ---: | " + " | ".join("---:" for _ in columns) + " | ---: |"]

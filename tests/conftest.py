@@ -35,6 +35,17 @@ def load_export_tool(name: str):
     return module
 
 
+def tiny_moshi_lm(device, dtype, **size):
+    """moshi's LMModel with PersonaPlex's architecture at the generated checkpoint's widths
+    (`size` overrides some), random weights."""
+    from moshi.models import loaders as moshi_loaders
+
+    from personaplex_triton import loaders
+
+    kwargs = {**loaders.PERSONAPLEX_LM_KWARGS, **loaders.TINY_LM_SIZE, **size}
+    return moshi_loaders.get_moshi_lm(None, lm_kwargs=kwargs, device=device, dtype=dtype).eval()
+
+
 @pytest.fixture(scope="session")
 def make_tiny():
     return load_export_tool("make_tiny_checkpoint")

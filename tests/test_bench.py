@@ -118,3 +118,35 @@ def test_in_process_pipeline_answers_every_frame(tiny_checkpoint):
     finally:
         pipeline.close()
     assert len(latencies) == 3 and all(ms > 0 for ms in latencies)
+
+
+def test_gpu_step_kv_dtype_option_and_table(tmp_path):
+    """bench/gpu_step.py takes one or both KV dtypes, and its table gives each a column, with -
+    where a pool of that many conversations does not fit."""
+    from bench import gpu_step
+
+    args = gpu_step.parse_args(["--tokenizer", "t.model", "--slots", "1", "128", "--attention", "ring",
+                                "--kv-dtype", "bfloat16", "float8_e4m3fn"])
+    assert args.kv_dtype == ["bfloat16", "float8_e4m3fn"] and args.slots == [1, 128]
+    assert gpu_step.parse_args(["--tokenizer", "t.model"]).kv_dtype == ["bfloat16"]
+    with pytest.raises(SystemExit):
+        gpu_step.parse_args(["--tokenizer", "t.model", "--kv-dtype", "fp8"])
+
+    def row(kv, slots, ms):
+        return {"attention": "ring", "kv_dtype": kv, "context_frames": 3000, "slots": slots,
+                "new_persona_start_ms": 140.0 if ms else None, "talker_tick_ms": ms, "peak_gib": ms and 100.0}
+    memory = {kv: {"kv_bytes_per_conversation": n, "bytes_per_conversation": n, "free_gib_after_weights": 120.0,
+                   "conversations_that_fit": fit, "max_conversations_auto": fit - 5}
+              for kv, n, fit in (("bfloat16", 3 << 29, 80), ("float8_e4m3fn", 3 << 28, 160))}
+    result = {"date": "2026-12-03", "gpu": "GPU", "torch": "2", "lm_parameters": 8e9, "cuda_graphs": True,
+              "steps": 20, "rows": [row("bfloat16", 1, 20.0), row("bfloat16", 128, None),
+                                    row("float8_e4m3fn", 1, 19.0), row("float8_e4m3fn", 128, 50.0)],
+              "code2wav": [{"slots": 1, "code2wav_tick_ms": 2.5}], "memory": memory,
+              "kv_agreement": {"frames": 200, "tokens_equal_pct": 97.0, "steps_with_a_difference": 50,
+                               "first_differing_steps": [1]}}
+    gpu_step.write_report(result, tmp_path, "gpu_step")
+    table = (tmp_path / "gpu_step.md").read_text()
+    assert "| 3000 | 1 | 20.0 | 19.0 | 0.95 | 100.0 / 100.0 |" in table
+    assert "| 3000 | 128 | - | 50.0 | - | - / 100.0 |" in table
+    assert "| float8_e4m3fn | 0.75 | 0.75 | 120.0 | 160 | 155 |" in table
+    assert "fp8 KV cache against a bf16 one" in table

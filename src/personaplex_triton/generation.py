@@ -17,6 +17,7 @@ in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there i
 (batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
 client sends makes the server capture another. On CUDA, a one-frame step's attention reads only
 the KV entries each slot has written (ring_attention.py); moshi's attention is the reference.
+The KV cache holds the model's dtype, or float8_e4m3fn (kv_cache.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from moshi.utils.compile import CUDAGraphed
 from torch.nn import functional as F
 
-from . import loaders, ring_attention
+from . import kv_cache, loaders, ring_attention
 from .sampling import SamplingParams, SlotSampling, exponential_noise, sample
 from .slot_states import SlotStates
 from .token_grid import NUM_AUDIO, TokenGrid
@@ -66,8 +67,10 @@ class StepInputs:
 class SlotGenerator:
     """The token grids of `num_slots` conversations over one streaming `LMModel`."""
 
-    def __init__(self, lm, num_slots: int, cuda_graphs: bool = True, ring: bool = True):
-        """`ring`: on CUDA, steps attend with ring_attention.attend (else moshi's attention)."""
+    def __init__(self, lm, num_slots: int, cuda_graphs: bool = True, ring: bool = True,
+                 kv_dtype: torch.dtype | None = None):
+        """`ring`: on CUDA, steps attend with ring_attention.attend (else moshi's attention).
+        `kv_dtype`: what the temporal transformer's KV cache stores (None: the model's dtype)."""
         self.lm = lm
         self.num_slots = num_slots
         device = lm.device
@@ -83,6 +86,8 @@ class SlotGenerator:
             ring_attention.install(lm.transformer)
         else:
             ring_attention.uninstall(lm.transformer)
+        self.kv_dtype = kv_dtype or next(lm.parameters()).dtype
+        kv_cache.store_in(lm.transformer, self.kv_dtype)
         self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()

@@ -56,6 +56,9 @@ PARAMETERS = {
         CHECKPOINT, DEVICE,
         Parameter("dtype", "auto", "The LM's dtype: auto (bfloat16 on a GPU, as published; float32 on a CPU), "
                                    "float32, bfloat16."),
+        Parameter("kv_dtype", "auto", "What the temporal transformer's KV cache stores: auto (the LM's dtype), bfloat16, or\n"
+                                      "float8_e4m3fn (GPU only: half the bytes a conversation holds and a step reads, so\n"
+                                      "about twice the conversations fit; values past +-448 saturate)."),
         MIMI_RUNTIME,
         Parameter("idle_timeout_s", "60", "A conversation with nothing pending this long is closed; slots of "
                                           "conversations silent this long are given to new ones when all are taken."),

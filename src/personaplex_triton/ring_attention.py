@@ -7,7 +7,8 @@ far (all of them once the ring has wrapped, as the context equals the ring), in 
 RoPE was applied before the keys were stored. So this kernel reads, per conversation, only the
 first `min(end_offset, capacity)` entries, split across the ring (flash-decoding) so that one
 conversation still spreads over the whole GPU. The shapes are fixed, so it runs under the
-step's CUDA graph.
+step's CUDA graph. The cache may hold float8_e4m3fn (kv_cache.py): the kernel upcasts what it
+loads to the query's dtype.
 
 It replaces the forward of the temporal transformer's attention modules for one-frame steps on
 CUDA (`install`); every other call, the CPU and the prefill's chunks keep moshi's path, which
@@ -20,6 +21,8 @@ import types
 
 import torch
 from einops import rearrange
+
+from .kv_cache import self_attentions, write_frame
 
 try:
     import triton
@@ -61,13 +64,13 @@ if triton is not None:
             entries = first + tl.arange(0, BLOCK)
             valid = entries < end
             offsets = base + entries[:, None] * stride_kn + dims[None, :]
-            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+            k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             weights = tl.exp(scores - new_max[:, None])
             rescale = tl.exp(running_max - new_max)
-            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
             acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
             running_sum = running_sum * rescale + tl.sum(weights, axis=1)
             running_max = new_max
@@ -111,9 +114,9 @@ def num_splits(rows: int, capacity: int) -> int:
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
            splits: int | None = None, block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, lengths[b]) of keys and values
-    [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout);
-    returns [B, H, 1, D] in q's dtype. A row with no entries gets zeros. `splits`, `block`,
-    `warps`: the launch (default: `num_splits`), for the benchmark."""
+    [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout; q's
+    dtype or float8_e4m3fn); returns [B, H, 1, D] in q's dtype. A row with no entries gets
+    zeros. `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark."""
     B, H, _, D = q.shape
     capacity = keys.shape[2]
     splits = splits or num_splits(B * H, capacity)
@@ -135,8 +138,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
 
 
 def _decode_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    """One frame of a streaming self-attention module: moshi's projections, RoPE and ring-cache
-    write, then `attend` over the filled entries. Anything else goes to moshi's forward."""
+    """One frame of a streaming self-attention module: moshi's projections and RoPE, the frame
+    written into the ring (kv_cache.write_frame), then `attend` over the filled entries.
+    Anything else goes to moshi's forward."""
     state = self._streaming_state
     if state is None or query.shape[1] != 1 or state.kv_cache is None or len(self.in_projs) != 1:
         return type(self).forward(self, query, key, value)
@@ -147,7 +151,7 @@ def _decode_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if self.rope:
         q, k = self.rope(q, k, state.offset, time_before_heads=False)
     cache = state.kv_cache
-    cache.complete(k, v, state.exec_mask)  # writes the frame, moves end_offset of the rows stepped
+    write_frame(cache, k, v, state.exec_mask)
     lengths = cache.end_offset.clamp(max=cache.capacity)
     x = attend(q, cache.cache[0], cache.cache[1], lengths)
     x = self.out_projs[0](rearrange(x, "b h t d -> b t (h d)"))
@@ -156,15 +160,10 @@ def _decode_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.T
     return x
 
 
-def _self_attentions(transformer):
-    return [layer.self_attn for layer in transformer.layers
-            if not layer.self_attn.cross_attention and not layer.self_attn.weights_per_step]
-
-
 def install(transformer) -> int:
     """Route the one-frame steps of `transformer`'s self-attention layers through `attend`;
     returns how many layers. Only where `available`."""
-    layers = _self_attentions(transformer)
+    layers = self_attentions(transformer)
     for attention in layers:
         attention.forward = types.MethodType(_decode_forward, attention)
     return len(layers)
@@ -172,5 +171,5 @@ def install(transformer) -> int:
 
 def uninstall(transformer) -> None:
     """Back to moshi's attention (the reference)."""
-    for attention in _self_attentions(transformer):
+    for attention in self_attentions(transformer):
         attention.__dict__.pop("forward", None)

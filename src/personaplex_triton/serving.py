@@ -162,9 +162,11 @@ class TalkerService:
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
-                 warm_personas: str = "", dtype: str = "auto", metrics: Metrics | None = None):
+                 warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
+                 metrics: Metrics | None = None):
         import torch
 
+        from . import kv_cache
         from .mimi_runtime import open_step
         from .persona import PersonaLibrary
         from .talker import Talker, conversations_that_fit
@@ -173,11 +175,12 @@ class TalkerService:
         use_device_threads(device)
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
+        kv = kv_cache.resolve(kv_dtype, device, next(lm.parameters()).dtype)
         self.mimi = open_step("encoder", files, mimi_runtime, device)
         tokenizer = loaders.get_tokenizer(files)
         self.slots, self.slots_why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
-                                               lambda: conversations_that_fit(lm, self.mimi))
-        self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size)
+                                               lambda: conversations_that_fit(lm, self.mimi, kv))
+        self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size, kv_dtype=kv)
         self.personas = PersonaLibrary(files, tokenizer)
         self.warm(warm_personas)
         self.talker.persona_cache.on_lookup = self.metrics.persona_cache_lookup  # after warming: clients' only

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .kv_cache import store
+
 
 def _batch_tensors(state, batch_size: int):
     """(name, tensor) of a moshi streaming state's per-row tensors (batch dim first)."""
@@ -75,13 +77,13 @@ class SlotStates:
         return rows
 
     def restore(self, slot: int, rows: list[dict]) -> None:
-        """Put a snapshot (of any slot) into `slot`."""
+        """Put a snapshot (of any slot, of a pool whose KV cache may hold another dtype) into `slot`."""
         for state, row in zip(self.states(), rows, strict=True):
             for name, value in _batch_tensors(state, self.num_slots):
                 value[slot] = row[name]
             if "kv" in row:
                 kv = state.kv_cache
-                kv.cache[:, slot, :, :row["kv"].shape[2]] = row["kv"]
+                kv.cache[:, slot, :, :row["kv"].shape[2]] = store(row["kv"], kv.cache.dtype)
                 kv.end_offset[slot] = row["kv_end_offset"]
 
     @contextmanager

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from . import loaders
+from . import kv_cache, loaders
 from .generation import NUM_AUDIO, SlotGenerator, StepInputs, bucket_for
 from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
@@ -116,12 +116,12 @@ class PersonaCache:
 
 class Talker:
     def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
-                 cuda_graphs: bool = True, ring_attention: bool = True):
+                 cuda_graphs: bool = True, ring_attention: bool = True, kv_dtype: torch.dtype | None = None):
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
         self.device = lm.device
-        self.generator = SlotGenerator(lm, num_slots, cuda_graphs, ring_attention)
+        self.generator = SlotGenerator(lm, num_slots, cuda_graphs, ring_attention, kv_dtype)
         self.graphs = self.generator.capture_graphs()
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)
@@ -198,19 +198,23 @@ class Talker:
                 for s in user_frames if has_output[s]}
 
 
-def conversations_that_fit(lm, encoder: StepRunner) -> tuple[int, str]:
-    """How many conversations fit in the GPU's free memory, and why: each holds the temporal
-    transformer's KV cache at the full context and a Mimi encoder state;
+def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:
+    """The GPU memory one slot holds: the temporal transformer's KV cache (of `kv_dtype`) at the
+    full context and a Mimi encoder state."""
+    mimi = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in encoder.state_specs)
+    return kv_cache.bytes_per_conversation(lm.transformer, kv_dtype) + mimi
+
+
+def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> tuple[int, str]:
+    """How many conversations fit in the GPU's free memory (`conversation_bytes` each), and why;
     loaders.GPU_RESERVED_BYTES stay free for everything else."""
     free, _ = torch.cuda.mem_get_info(lm.device)
-    layers = len(lm.transformer.layers)
-    kv = 2 * layers * lm.context * lm.dim * next(lm.parameters()).element_size()
-    mimi = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in encoder.state_specs)
-    fit = max(1, (free - loaders.GPU_RESERVED_BYTES) // (kv + mimi))
+    each = conversation_bytes(lm, encoder, kv_dtype)
+    fit = max(1, (free - loaders.GPU_RESERVED_BYTES) // each)
     return int(min(fit, loaders.GPU_DECODER_SLOTS)), (
-        f"auto: {free / 2**30:.1f} GiB free on the GPU, {(kv + mimi) / 2**30:.2f} GiB per conversation "
-        f"({lm.context}-frame KV cache + Mimi state), {loaders.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, "
-        f"at most {loaders.GPU_DECODER_SLOTS} (code2wav's slots)")
+        f"auto: {free / 2**30:.1f} GiB free on the GPU, {each / 2**30:.2f} GiB per conversation "
+        f"({lm.context}-frame {str(kv_dtype).removeprefix('torch.')} KV cache + Mimi state), "
+        f"{loaders.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, at most {loaders.GPU_DECODER_SLOTS} (code2wav's slots)")
 
 
 def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:

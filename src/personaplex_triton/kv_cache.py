@@ -1,0 +1,116 @@
+"""The temporal transformer's KV cache: its storage dtype and the one-frame step's write.
+
+moshi keeps each self-attention layer's keys and values in a `RingKVCache` of the model's dtype:
+at the 7B's 3000-frame context about 1.5 GB a conversation in bf16, which bounds how many
+conversations fit and is what a step reads. `kv_dtype` float8_e4m3fn stores them in half the
+bytes; the ring attention kernel loads fp8 and upcasts, and moshi's attention (the prefill's
+chunks, any step without the kernel) gets the ring upcast (`CastRingKVCache`).
+
+`write_frame` is the ring attention's write of one frame: the entry each row stepped writes,
+where moshi's `complete()` also computes the position of every entry, which that kernel does
+not need.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from moshi.modules.transformer import KVCacheResult, RingKVCache, _MHAState
+
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# Integer views of a cache's bytes: PyTorch's scatter and index kernels do not all take float8.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def resolve(configured: str, device: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The talker's `kv_dtype` parameter: "auto" (or "") is the model's dtype; float8_e4m3fn only
+    on CUDA, where the ring attention kernel reads it (elsewhere moshi's attention would upcast
+    every conversation's whole ring each step: slower, for memory a CPU pool does not lack)."""
+    if configured in ("", "auto"):
+        return model_dtype
+    if configured not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be auto, {' or '.join(KV_DTYPES)}; got {configured!r}")
+    dtype = KV_DTYPES[configured]
+    if dtype == torch.float8_e4m3fn and torch.device(device).type != "cuda":
+        raise ValueError(f"kv_dtype float8_e4m3fn needs a CUDA GPU (the ring attention kernel reads it); "
+                         f"this instance runs on {device}")
+    return dtype
+
+
+def store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a KV cache of `dtype` holds it. float8_e4m3fn has no infinity, and whether a cast
+    past its ±448 saturates or gives NaN has differed between PyTorch versions and kernels; one
+    NaN key or value makes every later attention output of its conversation NaN, until the ring
+    overwrites it. Clamped first, an outlier saturates instead."""
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
+def self_attentions(transformer):
+    """The streaming self-attention modules whose ring KV cache this is about (moshi's
+    depformer keeps per-step weights and its own small cache)."""
+    return [layer.self_attn for layer in transformer.layers
+            if not layer.self_attn.cross_attention and not layer.self_attn.weights_per_step]
+
+
+def bytes_per_conversation(transformer, dtype: torch.dtype) -> int:
+    """One conversation's KV cache over every layer at the full context."""
+    return sum(2 * (a.num_heads // a.kv_repeat) * (a.embed_dim // a.num_heads) * a.context * dtype.itemsize
+               for a in self_attentions(transformer))
+
+
+class CastRingKVCache(RingKVCache):
+    """moshi's ring KV cache with its entries stored in another dtype than the model's: what
+    moshi's attention writes goes through `store`, what it reads comes back upcast."""
+
+    def complete(self, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> KVCacheResult:
+        stored = self.cache
+        bits = _BITS[stored.itemsize]
+        self.cache = stored.view(bits)  # moshi's complete() scatters, on the raw bytes here
+        try:
+            keys, values, positions = super().complete(store(k, stored.dtype).view(bits),
+                                                       store(v, stored.dtype).view(bits), exec_mask)
+        finally:
+            self.cache = stored
+        return KVCacheResult(keys.view(stored.dtype).to(k.dtype), values.view(stored.dtype).to(k.dtype), positions)
+
+
+def _init_state(self, batch_size: int, dtype: torch.dtype) -> _MHAState:
+    """moshi's `StreamingMultiheadAttention._init_streaming_state`, its cache in `dtype` from the
+    start: moshi's own allocates the whole pool's cache in the model's dtype first, and 128
+    conversations of bf16 cache do not fit in an H200."""
+    weight = self.in_projs[0].weight
+    cache = CastRingKVCache(batch_size, self.num_heads // self.kv_repeat, self.embed_dim // self.num_heads,
+                            self.context, device=weight.device, dtype=dtype)
+    return _MHAState(batch_size, weight.device, cache,
+                     offset=torch.zeros(batch_size, device=weight.device, dtype=torch.long), offset_cpu=0)
+
+
+def store_in(transformer, dtype: torch.dtype) -> None:
+    """The KV caches of `transformer`'s next `streaming()` hold `dtype` (the model's: moshi's own)."""
+    for attention in self_attentions(transformer):
+        if dtype == attention.in_projs[0].weight.dtype:
+            attention.__dict__.pop("_init_streaming_state", None)
+        else:
+            attention._init_streaming_state = types.MethodType(functools.partial(_init_state, dtype=dtype), attention)
+
+
+def write_frame(cache: RingKVCache, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> None:
+    """One frame's keys and values [B, kv heads, 1, D] into entry `end_offset % capacity` of
+    each row stepped (`exec_mask`), whose `end_offset` moves on one, as moshi's `complete()`.
+    Fixed shapes and no host sync: it runs under a CUDA graph. Rows not stepped keep their
+    entries, where moshi writes their frame too: once their ring has wrapped, that replaces
+    the oldest entry an idle conversation still attends to."""
+    stored = cache.cache
+    bits = stored.view(_BITS[stored.itemsize]).permute(1, 3, 0, 2, 4)  # [B, capacity, 2, heads, D]
+    rows = torch.arange(bits.shape[0], device=bits.device)
+    index = cache.end_offset % cache.capacity
+    frame = store(torch.stack([k[:, :, 0], v[:, :, 0]], dim=1), stored.dtype).view(bits.dtype)
+    bits[rows, index] = torch.where(exec_mask[:, None, None, None], frame, bits[rows, index])
+    cache.end_offset.add_(exec_mask)

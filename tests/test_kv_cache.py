@@ -1,0 +1,153 @@
+"""The KV cache's storage dtype and the one-frame write (kv_cache.py), on the CPU: against
+moshi's `RingKVCache.complete()` and its attention in fp32, the reference."""
+
+import pytest
+import torch
+from conftest import tiny_moshi_lm
+from moshi.modules.transformer import RingKVCache
+
+from personaplex_triton import kv_cache
+from personaplex_triton.generation import SlotGenerator, StepInputs
+from personaplex_triton.sampling import SamplingParams
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_fp8_round_trip_within_e4m3_and_saturating():
+    """e4m3 keeps 3 mantissa bits: within 2^-4 relative (round to nearest) above its subnormals
+    (2^-6); past +-448 a value saturates, never NaN."""
+    x = torch.randn(10_000) * 30
+    back = kv_cache.store(x, FP8).float()
+    normal = x.abs() >= 2 ** -6
+    assert torch.all((back - x)[normal].abs() <= x[normal].abs() * 2 ** -4)
+    assert torch.all((back - x)[~normal].abs() <= 2 ** -10)
+    outliers = kv_cache.store(torch.tensor([1e4, -1e4, float("inf"), 448.0]), FP8).float()
+    assert outliers.tolist() == [448.0, -448.0, 448.0, 448.0]
+    assert kv_cache.store(x, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_kv_dtype_parameter():
+    assert kv_cache.resolve("auto", "cpu", torch.float32) == torch.float32
+    assert kv_cache.resolve("", "cuda", torch.bfloat16) == torch.bfloat16
+    assert kv_cache.resolve("float8_e4m3fn", "cuda:1", torch.bfloat16) == FP8
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        kv_cache.resolve("float8_e4m3fn", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="kv_dtype must be"):
+        kv_cache.resolve("fp8", "cuda", torch.bfloat16)
+
+
+def test_talker_refuses_fp8_on_a_cpu(tiny_checkpoint):
+    """The talker parameter reaches the service, which says why before it allocates a pool."""
+    from personaplex_triton.serving import TalkerService
+
+    with pytest.raises(ValueError, match="float8_e4m3fn needs a CUDA GPU"):
+        TalkerService(str(tiny_checkpoint), 2, "cpu", kv_dtype="float8_e4m3fn")
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return tiny_moshi_lm("cpu", torch.float32, context=12)
+
+
+def test_bytes_per_conversation(lm):
+    """2 (keys, values) x layers x context x dim x bytes; fp8 half of bf16."""
+    bf16 = kv_cache.bytes_per_conversation(lm.transformer, torch.bfloat16)
+    assert bf16 == 2 * len(lm.transformer.layers) * 12 * lm.dim * 2
+    assert kv_cache.bytes_per_conversation(lm.transformer, FP8) * 2 == bf16
+
+
+def test_write_frame_is_moshis_complete_less_its_write_of_idle_rows():
+    """fp32, 3 rows, a 5-entry ring over 13 steps (wrapped twice), a row idling at times: the
+    cache and end_offset equal moshi's after every step, once moshi's write into the idle rows'
+    next entry is undone (past the wrap, that entry is still attended to)."""
+    torch.manual_seed(0)
+    ours, moshi = (RingKVCache(3, 2, 4, 5, device=torch.device("cpu"), dtype=torch.float32) for _ in range(2))
+    for step in range(13):
+        k, v = torch.randn(2, 3, 2, 1, 4)
+        mask = torch.tensor([True, step % 3 != 1, step > 6])
+        before = moshi.cache.clone()
+        index = moshi.end_offset % 5
+        moshi.complete(k, v, mask)
+        for row in torch.nonzero(~mask).flatten().tolist():
+            moshi.cache[:, row, :, index[row]] = before[:, row, :, index[row]]
+        kv_cache.write_frame(ours, k, v, mask)
+        assert torch.equal(ours.end_offset, moshi.end_offset)
+        assert torch.equal(ours.cache, moshi.cache)
+    assert ours.end_offset.tolist() == [13, 9, 6]
+
+
+@pytest.mark.parametrize("stored", [FP8, torch.bfloat16])
+def test_cast_cache_completes_as_moshi_on_the_stored_values(stored):
+    """moshi's attention over a cache of another dtype: the same positions, and the entries it
+    reads are what the cache stores, upcast; `write_frame` stores the same."""
+    torch.manual_seed(1)
+    device = torch.device("cpu")
+    cast = kv_cache.CastRingKVCache(2, 2, 4, 6, device=device, dtype=stored)
+    direct = kv_cache.CastRingKVCache(2, 2, 4, 6, device=device, dtype=stored)
+    reference = RingKVCache(2, 2, 4, 6, device=device, dtype=torch.float32)
+    for T in (4, 1, 1, 3):  # a prefill chunk, two frames, a chunk across the wrap
+        k, v = 100 * torch.randn(2, 2, 2, T, 4)
+        k[0, 0, 0, 0] = 1e4  # saturates
+        mask = torch.ones(2, dtype=torch.bool)
+        got = cast.complete(k, v, mask)
+        want = reference.complete(kv_cache.store(k, stored).float(), kv_cache.store(v, stored).float(), mask)
+        assert got.keys.dtype == torch.float32
+        assert torch.equal(got.positions, want.positions)
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        if T == 1:
+            kv_cache.write_frame(direct, k, v, mask)
+        else:
+            direct.complete(k, v, mask)
+        assert torch.equal(direct.cache.float(), cast.cache.float())
+
+
+def test_fp8_attention_close_to_fp32(lm):
+    """The temporal transformer through moshi's attention with an fp8 cache (a 7-frame prefill
+    chunk, then frames past the 12-entry ring's wrap) stays close to the fp32 cache's."""
+    outputs = {}
+    for dtype in (torch.float32, FP8):
+        kv_cache.store_in(lm.transformer, dtype)
+        torch.manual_seed(2)
+        with lm.transformer.streaming(2):
+            caches = [m._streaming_state.kv_cache for m in kv_cache.self_attentions(lm.transformer)]
+            assert all(c.cache.dtype == dtype for c in caches)
+            outputs[dtype] = [lm.transformer(torch.randn(2, 7, lm.dim))]
+            outputs[dtype] += [lm.transformer(torch.randn(2, 1, lm.dim)) for _ in range(9)]
+    kv_cache.store_in(lm.transformer, torch.float32)
+    for ref, fp8 in zip(outputs[torch.float32], outputs[FP8]):
+        assert torch.linalg.norm(fp8 - ref) <= 0.05 * torch.linalg.norm(ref)
+
+
+def test_fp8_pool_snapshot_restore(lm):
+    """A slot's fp8 KV rows survive snapshot and restore into another slot, byte for byte, and
+    both slots then sample the same greedy tokens."""
+    gen = SlotGenerator(lm, 3, cuda_graphs=False, kv_dtype=FP8)
+    try:
+        assert gen.kv_dtype == FP8
+        gen.start(0, SamplingParams(greedy=True))
+        rng = torch.Generator().manual_seed(3)
+
+        def step(active, user):
+            none = torch.zeros(3, dtype=torch.bool)
+            tokens, _, _ = gen.step(StepInputs(torch.tensor(active), user, torch.zeros(3, 8, dtype=torch.long), none,
+                                               torch.zeros(3, dtype=torch.long), none))
+            return tokens
+
+        for _ in range(15):  # past the 12-entry ring's wrap
+            step([True, False, False], torch.randint(0, 2048, (3, 8), generator=rng))
+        snap = gen.snapshot(0)
+        kv = [row["kv"] for row in snap["modules"] if "kv" in row]
+        assert kv and all(t.dtype == FP8 and t.shape[2] == 12 for t in kv)
+        gen.start(2, SamplingParams(greedy=True))
+        gen.restore(2, snap)
+        for state in gen.states.states():
+            if getattr(state, "kv_cache", None) is not None:
+                raw = state.kv_cache.cache.view(torch.uint8)
+                assert torch.equal(raw[:, 0], raw[:, 2])
+        for _ in range(3):
+            user = torch.randint(0, 2048, (1, 8), generator=rng).expand(3, 8)
+            tokens = step([True, False, True], user)
+            assert torch.equal(tokens[0], tokens[2])
+    finally:
+        gen.close()

@@ -1,0 +1,131 @@
+"""The ring attention (ring_attention.py) on the CPU, through OpenAI Triton's interpreter, against
+moshi's attention in fp32 (the reference): the kernel over bf16-, fp32- and fp8-stored rings,
+and the one-frame decode (the frame written directly, no `complete()`) across the ring's wrap.
+tests/test_gpu.py runs the same on CUDA.
+
+    TRITON_INTERPRET=1 PYTHONPATH=/path/to/triton:src .venv/bin/python -m pytest tests/test_ring_attention.py
+"""
+
+import os
+
+import pytest
+import torch
+from conftest import tiny_moshi_lm
+
+from personaplex_triton import kv_cache, ring_attention
+from personaplex_triton.generation import SlotGenerator, StepInputs
+from personaplex_triton.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    ring_attention.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs OpenAI Triton with TRITON_INTERPRET=1 (its interpreter runs the kernels on the CPU)")
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, FP8])
+def test_kernel_over_stored_ring(stored):
+    """fp32 queries over a ring stored in `stored`: softmax attention over the stored values
+    upcast (to fp32 rounding), and within fp8's error of the unrounded values. Rows with no
+    entry, some, and all."""
+    torch.manual_seed(0)
+    B, H, C, D = 3, 2, 40, 64
+    exact = torch.randn(2, B, H, C, D)
+    cache = kv_cache.store(exact, stored)
+    q = torch.randn(B, H, 1, D)
+    lengths = torch.tensor([0, 7, C])
+    out = ring_attention.attend(q, cache[0], cache[1], lengths, splits=2, block=16)
+    assert out.dtype == torch.float32 and torch.count_nonzero(out[0]) == 0
+    for b in (1, 2):
+        n = int(lengths[b])
+
+        def softmax_attention(kv):
+            return torch.softmax(q[b] @ kv[0, b, :, :n].transpose(-1, -2) / D ** 0.5, dim=-1) @ kv[1, b, :, :n]
+        torch.testing.assert_close(out[b], softmax_attention(cache.float()), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[b], softmax_attention(exact), atol=0.1, rtol=0.1)
+
+
+def stepped(lm, ring: bool, stored, steps=16, batch=3):
+    """The temporal transformer's outputs over `steps` frames (a 12-entry ring: it wraps),
+    row 2 idle before the wrap, and the caches at the end."""
+    kv_cache.store_in(lm.transformer, stored)
+    if ring:
+        ring_attention.install(lm.transformer)
+    torch.manual_seed(1)
+    outputs = []
+    try:
+        with lm.transformer.streaming(batch):
+            for step in range(steps):
+                lm.transformer.set_exec_mask(torch.tensor([True, True, step % 2 == 0 or step > 10]))
+                outputs.append(lm.transformer(torch.randn(batch, 1, lm.dim)))
+            caches = [(m._streaming_state.kv_cache.cache.clone(), m._streaming_state.kv_cache.end_offset.clone())
+                      for m in kv_cache.self_attentions(lm.transformer)]
+    finally:
+        ring_attention.uninstall(lm.transformer)
+        kv_cache.store_in(lm.transformer, torch.float32)
+    return outputs, caches
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return tiny_moshi_lm("cpu", torch.float32, context=12)
+
+
+def test_decode_equals_moshi_across_the_wrap(lm):
+    """fp32: each frame's output and, at the end, every cache and end_offset equal moshi's: the
+    first layer's cache exactly (its keys and values come from the same inputs), the next
+    layer's to fp32 rounding (the kernel sums in another order than SDPA). Row 2 idles only
+    before its ring wraps: past it, moshi's write of an idle row replaces an entry it attends
+    to, which the ring path does not (test_kv_cache.py)."""
+    ring, moshi = stepped(lm, True, torch.float32), stepped(lm, False, torch.float32)
+    for got, want in zip(ring[0], moshi[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for (cache, end), (want_cache, want_end) in zip(ring[1], moshi[1]):
+        assert end.tolist() == want_end.tolist() == [16, 16, 11]
+        torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ring[1][0][0], moshi[1][0][0])
+
+
+def test_fp8_decode_equals_moshis_on_the_fp8_ring(lm):
+    """The kernel over the fp8 ring gives what moshi's attention gives over the same ring upcast
+    (up to a second-layer entry rounded to the next fp8 value: the two attentions' fp32 sums
+    differ in their last bits), and stays near the fp32 cache's outputs."""
+    ring, moshi = stepped(lm, True, FP8), stepped(lm, False, FP8)
+    reference, _ = stepped(lm, False, torch.float32)
+    for got, want, exact in zip(ring[0], moshi[0], reference):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+        assert torch.linalg.norm(got - exact) <= 0.05 * torch.linalg.norm(exact)
+    for (cache, end), (want_cache, want_end) in zip(ring[1], moshi[1]):
+        assert cache.dtype == FP8 and torch.equal(end, want_end)
+        torch.testing.assert_close(cache.float(), want_cache.float(), atol=0, rtol=2 ** -3)
+
+
+def test_generator_gives_moshis_tokens():
+    """tests/test_gpu.py's token test, smaller: greedy, fp32, an 8-frame context so the ring
+    wraps, a slot joining late and one idling before its wrap: moshi's attention's tokens."""
+    def greedy_tokens(ring: bool):
+        torch.manual_seed(0)
+        lm = tiny_moshi_lm("cpu", torch.float32, context=8)
+        gen = SlotGenerator(lm, 3, cuda_graphs=False)
+        if ring:
+            ring_attention.install(lm.transformer)
+        try:
+            for slot in range(3):
+                gen.start(slot, SamplingParams(greedy=True))
+            rng = torch.Generator().manual_seed(1)
+            out = []
+            for i in range(16):
+                active = torch.tensor([True, i % 3 != 0 or i > 6, i > 3])
+                none = torch.zeros(3, dtype=torch.bool)
+                tokens, has_output, _ = gen.step(StepInputs(active, torch.randint(0, 2048, (3, 8), generator=rng),
+                                                            torch.zeros(3, 8, dtype=torch.long), none,
+                                                            torch.zeros(3, dtype=torch.long), none))
+                out.append(tokens[has_output].tolist())
+            return out
+        finally:
+            gen.close()
+
+    ring, moshi = greedy_tokens(True), greedy_tokens(False)
+    assert sum(map(len, ring)) > 30
+    assert ring == moshi

@@ -89,31 +89,6 @@ def test_items_answered_once_each_in_order(engine):
     assert c.indices == [5, 6]  # counted over the whole conversation
 
 
-def test_a_burst_of_starts_does_not_hold_up_live_conversations():
-    """Starts spend at most the engine's start budget before a tick: a live conversation goes
-    on ticking while 12 new ones, each taking 10 ms to start, are set up."""
-    stage = CountingStage(16)
-    events = []
-    start, tick = stage.start, stage.tick
-    stage.start = lambda slot, setup: (time.sleep(0.01), events.append("start"), start(slot, setup))
-    stage.tick = lambda items: (events.append("tick"), tick(items))[1]
-    engine = SlotEngine(stage)
-    try:
-        engine.open(0, None)
-        run(engine, 0, ["warm"])
-        live = Collector()
-        engine.submit(0, list(range(40)), live.on_output, live.on_done)
-        for key in range(1, 13):
-            engine.open(key, None)
-        live.wait()
-        assert wait_until(lambda: events.count("start") == 13, 5)
-        starts = [i for i, e in enumerate(events) if e == "start"][1:]
-        ticks_among_starts = [e for e in events[starts[0]:starts[-1]] if e == "tick"]
-        assert len(ticks_among_starts) >= 3  # 12 starts of 10 ms, a tick at least every 20 ms
-    finally:
-        engine.shutdown()
-
-
 def test_conversations_share_ticks(engine):
     engine.open(1, "prefill:3")  # gives the other conversation time to queue up too
     engine.open(2, "prefill:3")

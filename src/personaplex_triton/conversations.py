@@ -178,26 +178,23 @@ class ConversationTable:
         owed, conv.on_released = conv.on_released, []
         return owed
 
-    def next_to_start(self) -> Conversation | None:
-        """The next conversation to start, given the lowest free slot (steps run on the first
-        rows) unless it restarts in its own; None if none waits."""
-        if not self.to_start:
-            return None
-        conv = self.to_start.popleft()
-        if conv.slot is None:
-            conv.slot = min(self._free)
-            self._free.remove(conv.slot)
-        return conv
+    def take_starting(self) -> list[Conversation]:
+        """The conversations to start, each given the lowest free slot (steps run on the first rows)."""
+        starting = list(self.to_start)
+        self.to_start.clear()
+        for conv in starting:
+            if conv.slot is None:
+                conv.slot = min(self._free)
+                self._free.remove(conv.slot)
+        return starting
 
     def live(self) -> list[Conversation]:
         return [c for c in self.all if c.slot is not None]
 
     def next_batch(self, prefilling: Callable[[int], bool]) -> dict[int, tuple]:
         """Each live conversation's next item, by slot: (conversation, request, item, queued at);
-        none for slots still prefilling, or waiting to start over."""
-        restarting = {id(c) for c in self.to_start}
-        return {c.slot: (c, *c.queue.popleft()) for c in self.live()
-                if c.queue and id(c) not in restarting and not prefilling(c.slot)}
+        none for slots still prefilling."""
+        return {c.slot: (c, *c.queue.popleft()) for c in self.live() if c.queue and not prefilling(c.slot)}
 
     def owes_work(self) -> bool:
         """Whether some conversation still owes answers or a release (shutdown waits for none)."""

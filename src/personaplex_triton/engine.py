@@ -37,9 +37,6 @@ __all__ = ["ConversationError", "SlotEngine", "Stage"]
 HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
 CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
 SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long before they get an error
-# Starts (each restores or prefills a persona) a pass makes before it ticks, once it has spent this
-# long: 64 conversations arriving at once held every live one up for about a second.
-START_BUDGET_S = 0.02
 
 
 class Stage(Protocol):
@@ -180,11 +177,15 @@ class SlotEngine:
                              now - conv.last_active)
             owed = [done for conv in [c for c in table.all if c.closable]
                     for done in table.release(conv, self.stage.stop)]
+            starting = table.take_starting()
         for done in owed:
             self._answer(done, None)
         self._beat(now)
         self._poll_cancelled(now)
-        self._start_some()
+        if starting:  # a stage's start plays the persona's prefill: count those as prefilling meanwhile
+            self._report_occupancy(starting=len(starting))
+        for conv in starting:
+            self._start(conv)
         with self._cond:
             batch = table.next_batch(self.stage.prefilling)
             prefilling = any(self.stage.prefilling(c.slot) for c in table.live())
@@ -212,24 +213,10 @@ class SlotEngine:
                 log.info("%s: conversation %s was cancelled by its client; freeing its slot", self.name, conv.key)
                 self._fail(conv, "the request was cancelled", reasons.CANCELLED)
 
-    def _start_some(self) -> None:
-        """Start waiting conversations until START_BUDGET_S is spent; the rest start after the tick."""
-        deadline = time.monotonic() + START_BUDGET_S
-        while time.monotonic() < deadline:
-            with self._cond:
-                conv = self._table.next_to_start()
-            if conv is None:
-                return
-            self._report_occupancy(starting=1)  # a stage's start plays the persona's prefill
-            self._start(conv)
-
     def _report_occupancy(self, starting: int = 0) -> None:
-        """Conversations holding or awaiting a slot; of those, the ones prefilling, waiting to
-        start, or (`starting`) starting now."""
         with self._cond:
-            table = self._table
-            occupancy = (len(table.all), starting + len(table.to_start)
-                         + sum(self.stage.prefilling(c.slot) for c in table.live()))
+            live = [c.slot for c in self._table.live()]
+            occupancy = (len(live), starting + sum(self.stage.prefilling(s) for s in live))
         if occupancy != self._occupancy:
             self._occupancy = occupancy
             self.metrics.conversations(*occupancy)

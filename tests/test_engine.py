@@ -356,6 +356,22 @@ def test_cancelled_request_frees_its_slot():
         engine.shutdown()
 
 
+def test_cancellation_polls_one_request_a_conversation():
+    """Each poll is a round trip to tritonserver: with 20 requests pending, a conversation's
+    oldest is asked, not all 20."""
+    engine = SlotEngine(CountingStage(1))
+    try:
+        engine.open(1, "prefill:1000000")  # never answers on its own
+        polls = []
+        for i in range(20):
+            c = Collector()
+            engine.submit(1, [i], c.on_output, c.on_done, is_cancelled=lambda i=i: polls.append(i) or False)
+        time.sleep(1.3)  # two polls, CANCEL_POLL_S apart, once the requests are half a second old
+        assert 1 <= len(polls) <= 3 and set(polls) == {0}
+    finally:
+        engine.shutdown(drain_s=0.1)
+
+
 def test_shutdown_answers_every_pending_request():
     engine = SlotEngine(CountingStage(2))
     engine.open(1, "prefill:1000000")

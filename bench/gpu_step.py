@@ -43,12 +43,13 @@ def age(talker, frames: int) -> None:
 
 def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
     """From one state per step, what two generators on `lm`'s weights sample (eager, greedy,
-    text and 16 codebooks; `reference` and `candidate`: their SlotGenerator options), over
-    `frames` steps of one conversation on random user codes: each step is played by both from
+    text and the agent's 8 codebooks, the user's 8 being forced; `reference` and `candidate`:
+    their SlotGenerator options), over `frames` steps of one conversation on random user
+    codes: each step is played by both from
     the reference's state, then the conversation goes on from the reference's. Agreement from
     one state, not of two free runs: with random weights one flipped near-tie sends two free
     runs apart for good."""
-    from personaplex_triton.generation import SlotGenerator, StepInputs
+    from personaplex_triton.generation import NUM_AUDIO, SlotGenerator, StepInputs
     from personaplex_triton.sampling import SamplingParams
 
     twin = copy.deepcopy(lm, memo={id(t): t for t in (*lm.parameters(), *lm.buffers())})  # own streaming state
@@ -73,7 +74,7 @@ def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
         generators[1].restore(0, generators[0].snapshot(0))
         for generator in generators:
             generator.step(inputs)
-        same = samples[0] == samples[1]
+        same = samples[0][:, :1 + NUM_AUDIO] == samples[1][:, :1 + NUM_AUDIO]
         equal += int(same.sum())
         total += same.numel()
         if not bool(same.all()):
@@ -298,7 +299,7 @@ def write_report(report, out: Path, name: str) -> None:
                       ("kv_agreement", "the eager step with an fp8 KV cache against a bf16 one (ring attention)")):
         if report.get(key):
             a = report[key]
-            lines += ["", f"Greedy samples (text + 16 codebooks) of {what}, from the same state at each of "
+            lines += ["", f"Greedy samples (text + the agent's 8 codebooks) of {what}, from the same state at each of "
                       f"{a['frames']} steps of one conversation: {a['tokens_equal_pct']}% equal; "
                       f"{a['steps_with_a_difference']} steps with a difference (first: {a['first_differing_steps']})."]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")

@@ -298,3 +298,33 @@ def test_depformer_equals_moshis(talker, wav_voice, user_frames, monkeypatch):
     ours = conversations()
     monkeypatch.setattr(talker.generator, "_depformer", moshi_depformer(talker.generator))
     assert conversations() == ours
+
+
+def test_encode_after_the_answer_gives_the_same_tokens(files, talker, wav_voice, user_frames):
+    """A talker that Mimi-encodes each tick's frames after answering (the CPU default) gives the
+    tokens and token grid of one that encodes them first: greedy and sampled, two conversations,
+    the second joining mid-way (its start settles the first's pending codes)."""
+    assert talker._encoder is not None  # the CPU default
+    in_tick = Talker(loaders.get_lm(files), open_step("encoder", files), talker.tokenizer, NUM_SLOTS,
+                     encode_after=False)
+    try:
+        for params in (dict(greedy=True), dict(seed=8)):
+            runs = []
+            for t in (talker, in_tick):
+                late = setup(wav_voice, seed=3)
+                t.start(0, setup(wav_voice, **params))
+                answers = []
+                for i, frame in enumerate(user_frames):
+                    if i == 4:
+                        t.start(2, late)
+                    out = t.tick({0: frame, **({2: frame[::-1].copy()} if i >= 4 else {})})
+                    answers.append([(s, step.text_token, tuple(map(int, step.codes))) for s, step in sorted(out.items())])
+                t.tick({})  # settles the last frame's codes
+                runs.append((answers, t.generator.grid.cache[[0, 2]].clone(), t.generator.grid.provided[[0, 2]].clone()))
+                t.stop(0)
+                t.stop(2)
+            (ours, cache, provided), (theirs, cache_in_tick, provided_in_tick) = runs
+            assert ours == theirs and len(ours) == len(user_frames)
+            assert torch.equal(cache, cache_in_tick) and torch.equal(provided, provided_in_tick)
+    finally:
+        in_tick.close()

@@ -62,6 +62,7 @@ class StepInputs:
     text_forced: torch.Tensor
     embeddings: torch.Tensor | None = None  # [S, 1, dim], replaces the token embeddings where embed_rows
     embed_rows: torch.Tensor | None = None
+    user_later: bool = False  # the user's codes come after the step, through `force_user`
 
 
 class SlotGenerator:
@@ -200,6 +201,13 @@ class SlotGenerator:
                 self.lm.transformer(chunk)
         return embeddings
 
+    def force_user(self, slots: list[int], positions: torch.Tensor, codes: torch.Tensor) -> None:
+        """The user's codes [len(slots), 8] of the steps these slots took at `positions` with
+        `user_later`: a step's samples do not depend on them (the depformer skips the user's
+        codebooks), but the slot's next step reads them, so call this before it."""
+        self.grid.force(torch.tensor(slots, device=self.device), positions.to(self.device),
+                        slice(1 + NUM_AUDIO, None), codes.to(self.device))
+
     def _read(self, rows: slice, inputs: StepInputs):
         """The grid's read of a step: (o, input embeddings [b, 1, dim], target, target provided)."""
         o, previous, target, target_provided = self.grid.read(rows, inputs.active, *_forced(inputs, self.device))
@@ -245,9 +253,14 @@ class SlotGenerator:
         bookkeeping written out: each layer's keys and values of the codebooks so far sit in
         one buffer that attention reads up to the current codebook, where moshi keeps a ring
         KV cache, per-row offsets and a mask for each layer and call (most of a CPU step's
-        time at small widths)."""
+        time at small widths).
+
+        Only the agent's codebooks run: the user's audio is forced at every step (or written
+        right after it, `force_user`), so the samples of the last NUM_AUDIO codebooks would be
+        replaced by the user's codes, and no earlier codebook attends to them. Their columns
+        hold the forced codes."""
         lm, smp = self.lm, self.sampling.rows(first_input.shape[0])
-        b, steps = first_input.shape[0], lm.dep_q
+        b, steps = first_input.shape[0], lm.dep_q - NUM_AUDIO
         layers = lm.depformer.layers
         heads = layers[0].self_attn.num_heads
         head_dim = layers[0].self_attn.embed_dim // heads
@@ -269,13 +282,14 @@ class SlotGenerator:
             token = sample(logits, smp.greedy, smp.temperature, smp.top_k, noise[:, cb], self.top_k_bound)
             tokens.append(token)
             prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
-        return torch.stack(tokens, dim=1)
+        return torch.cat([torch.stack(tokens, dim=1), forced[:, steps:]], dim=1)
 
 
 def _forced(inputs: StepInputs, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's forced tokens [b, K] in the grid's stream order, and where they are forced."""
     b = inputs.active.shape[0]
     forced = torch.cat([inputs.text_token.view(b, 1), inputs.agent_codes, inputs.user_codes], dim=1).to(device)
+    user_forced = torch.full((b, NUM_AUDIO), not inputs.user_later, dtype=torch.bool, device=inputs.active.device)
     is_forced = torch.cat([inputs.text_forced.view(b, 1), inputs.agent_forced.view(b, 1).expand(b, NUM_AUDIO),
-                           torch.ones(b, NUM_AUDIO, dtype=torch.bool, device=inputs.active.device)], dim=1)
+                           user_forced], dim=1)
     return forced, is_forced.to(device)

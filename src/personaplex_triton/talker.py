@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -116,7 +117,15 @@ class PersonaCache:
 
 class Talker:
     def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
-                 cuda_graphs: bool = True, ring_attention: bool = True, kv_dtype: torch.dtype | None = None):
+                 cuda_graphs: bool = True, ring_attention: bool = True, kv_dtype: torch.dtype | None = None,
+                 encode_after: bool | None = None):
+        """`encode_after` (default: on a CPU): a tick answers before it Mimi-encodes its user
+        frames, which it does on a thread of its own while the answers leave and the decoder
+        runs; the next tick waits for those codes. A step's samples do not depend on its own
+        frame's codes (its input is the previous position; the depformer skips the user's
+        codebooks), only the next step's do, so the tokens are the same and the encode (about
+        a fifth of a CPU frame) leaves each frame's latency. On a GPU it is a few ms and the
+        step runs under CUDA graphs, so there the encode stays in the tick."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
@@ -126,11 +135,29 @@ class Talker:
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)
         self._vocab = tokenizer.get_piece_size()
+        if encode_after is None:
+            encode_after = self.device.type == "cpu"
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="talker-encode") if encode_after else None
+        self._encoding = None  # the last tick's encode: (future of its codes, slots, positions)
 
     def close(self) -> None:
+        self.settle()
+        if self._encoder is not None:
+            self._encoder.shutdown()
         self.generator.close()
 
+    def settle(self) -> None:
+        """Write the last tick's user codes into the token grid, once its encode is done: the
+        talker's own methods do it first; call it before using the generator or Mimi directly."""
+        if self._encoding is None:
+            return
+        future, slots, positions = self._encoding
+        self._encoding = None
+        codes = future.result()
+        self.generator.force_user(slots, positions, torch.stack([codes[s] for s in slots]))
+
     def start(self, slot: int, setup: "TalkerSetup") -> None:
+        self.settle()
         persona, params = setup.persona, setup.sampling
         params.validate()
         self.generator.start(slot, params)
@@ -152,6 +179,7 @@ class Talker:
     def play(self, slot: int, program: Iterator[PrefillStep]) -> torch.Tensor:
         """Play prefill steps into a started slot at once (SlotGenerator.prefill); returns the
         input embeddings of the steps that ran the model [M, 1, dim]."""
+        self.settle()
         steps = []
         for step in program:
             agent = step.agent
@@ -178,21 +206,27 @@ class Talker:
     def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, AgentStep]:
         """One batched step: each slot in `user_frames` plays its 1920-sample frame. Returns the
         agent step of each slot answered (none while inside the model's delays)."""
+        self.settle()
         if not user_frames:
             return {}
-        codes = self.mimi.encode(user_frames)
+        later = self._encoder is not None
+        codes = {} if later else self.mimi.encode(user_frames)
         rows = bucket_for(1 + max(user_frames), self.generator.buckets)
-        slots = list(codes)
+        slots = sorted(user_frames)
         # whole-batch ops, not one per slot: each op lets the stub's other threads take the GIL
         active = torch.zeros(rows, dtype=torch.bool)
         active[slots] = True
         user = torch.zeros(rows, NUM_AUDIO, dtype=torch.long)
-        user[slots] = torch.stack([codes[s] for s in slots])
+        if not later:
+            user[slots] = torch.stack([codes[s] for s in slots])
         unforced = torch.zeros(rows, dtype=torch.bool)
         idle = torch.zeros(rows, dtype=torch.long)
         inputs = StepInputs(*(t.to(self.device) for t in (active, user, idle[:, None].expand(rows, NUM_AUDIO),
-                                                          unforced, idle, unforced)))
+                                                          unforced, idle, unforced)), user_later=later)
+        positions = self.generator.grid.offset[slots].clone()
         tokens, has_output, _ = self.generator.step(inputs)
+        if later:
+            self._encoding = (self._encoder.submit(self.mimi.encode, user_frames), slots, positions)
         tokens, has_output = tokens.cpu().numpy(), has_output.cpu().numpy()
         return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
                 for s in user_frames if has_output[s]}
@@ -222,6 +256,7 @@ def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:
     bundle for it: the summed input embeddings of steps 1..N-1 and the ring buffer after."""
     if voice.frames is None:
         raise ValueError("a voice bundle is made from a WAV voice prompt")
+    talker.settle()
     talker.generator.start(0, SamplingParams(greedy=True))
     talker.mimi.reset([0])
     embeddings = talker.play(0, voice_program(voice, talker.lm.initial_token_id))

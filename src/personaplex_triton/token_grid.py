@@ -69,6 +69,14 @@ class TokenGrid:
         dst = (o % CT)[:, None, None].expand(b, K, 1)
         return o, cache.gather(2, src)[:, :, 0], cache.gather(2, dst)[:, :, 0], provided.gather(2, dst)[:, :, 0]
 
+    def force(self, slots: torch.Tensor, o: torch.Tensor, streams: slice, values: torch.Tensor) -> None:
+        """Force `values` [len(slots), streams] at o + delay, as a step at position o would have."""
+        delays = self.delays[streams]
+        positions = (o[:, None] + delays[None, :]) % self.ring
+        index = slots[:, None], torch.arange(self.num_codebooks, device=self.device)[streams][None, :], positions
+        self.cache[index] = values
+        self.provided[index] = True
+
     def write(self, rows: slice, o, active, sampled, target_provided):
         """Samples fill position o where nothing was forced; o - 1 is done; active rows move on.
         Returns (tokens [b, K] of position o - max_delay, has_output [b])."""

@@ -66,3 +66,16 @@ def test_write_elsewhere_copies_the_adapters(tmp_path):
     assert (tmp_path / "talker" / "1" / "model.py").read_text() == (MODEL_REPOSITORY / "talker" / "1" / "model.py").read_text()
     assert "KIND_GPU" in (tmp_path / "code2wav" / "config.pbtxt").read_text()
     assert '{ key: "device" value: { string_value: "cuda" } }' in (tmp_path / "code2wav" / "config.pbtxt").read_text()
+
+
+def test_the_sequence_batcher_holds_back_no_conversation_a_pool_could_take():
+    """Past its candidates Triton keeps a sequence unanswered until one ends: there must be
+    more candidates than any pool has slots (the largest: code2wav's on a GPU)."""
+    import re
+
+    from personaplex_triton import loaders
+
+    for model in ("talker", "code2wav"):
+        text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+        candidates = int(re.search(r"max_candidate_sequences: (\d+)", text).group(1))
+        assert candidates > loaders.GPU_DECODER_SLOTS

@@ -31,7 +31,11 @@ PBTXT_TYPES = {"FP32": "TYPE_FP32", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64"
                "BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
 # A sequence that sends nothing for this long loses its place in the sequence batcher.
 SEQUENCE_IDLE_US = 60_000_000
-MAX_CANDIDATE_SEQUENCES = 64
+# Sequences the batcher hands a model at once. Past them Triton keeps a sequence in a backlog,
+# unanswered, until a candidate ends: on the H200 at 76 conversations 4 of the 68 the talker
+# admitted (64 candidates then) waited 24 s. So more than any pool's slots: a model refuses
+# conversations past its own, with an error saying so.
+MAX_CANDIDATE_SEQUENCES = 1024
 
 
 @dataclass(frozen=True)

@@ -328,3 +328,30 @@ def test_encode_after_the_answer_gives_the_same_tokens(files, talker, wav_voice,
             assert torch.equal(cache, cache_in_tick) and torch.equal(provided, provided_in_tick)
     finally:
         in_tick.close()
+
+
+def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voice, user_frames, monkeypatch):
+    """An encode after the answer that fails leaves its frames without user codes: the next tick
+    names each of those slots (SlotFault, one at a time, as the engine ends them), not the
+    conversations beside them, and does not step them on a grid with a hole."""
+    from personaplex_triton.faults import SlotFault
+
+    for slot in (0, 1, 2):
+        talker.start(slot, setup(wav_voice, seed=slot))
+    encode = talker.mimi.encode
+    monkeypatch.setattr(talker.mimi, "encode", lambda frames: (_ for _ in ()).throw(RuntimeError("no codes")))
+    talker.tick({0: user_frames[0], 1: user_frames[0]})  # answered; its encode fails behind it
+    monkeypatch.setattr(talker.mimi, "encode", encode)
+    batch, failed = {0: user_frames[1], 1: user_frames[1], 2: user_frames[1]}, []
+    for _ in range(3):  # what the engine does: end the conversation named, step the rest again
+        try:
+            talker.tick(batch)
+            break
+        except SlotFault as fault:
+            assert "no codes" in str(fault)
+            failed.append(fault.slot)
+            batch.pop(fault.slot)
+            talker.stop(fault.slot)
+    assert sorted(failed) == [0, 1] and list(batch) == [2]  # slot 2 stepped on
+    for slot in (0, 1, 2):
+        talker.stop(slot)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import kv_cache, loaders
+from .faults import SlotFault
 from .generation import NUM_AUDIO, SlotGenerator, StepInputs, bucket_for
 from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
@@ -139,6 +140,7 @@ class Talker:
             encode_after = self.device.type == "cpu"
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="talker-encode") if encode_after else None
         self._encoding = None  # the last tick's encode: (future of its codes, slots, positions)
+        self._unencoded: dict[int, str] = {}  # slot -> why its last frame has no user codes
 
     def close(self) -> None:
         self.settle()
@@ -153,11 +155,16 @@ class Talker:
             return
         future, slots, positions = self._encoding
         self._encoding = None
-        codes = future.result()
+        try:
+            codes = future.result()
+        except Exception as exc:  # those conversations cannot go on: their next tick says so
+            self._unencoded.update((s, f"{type(exc).__name__}: {exc}") for s in slots)
+            return
         self.generator.force_user(slots, positions, torch.stack([codes[s] for s in slots]))
 
     def start(self, slot: int, setup: "TalkerSetup") -> None:
         self.settle()
+        self._unencoded.pop(slot, None)
         persona, params = setup.persona, setup.sampling
         params.validate()
         self.generator.start(slot, params)
@@ -171,7 +178,7 @@ class Talker:
         self.mimi.reset([slot])  # Mimi starts afresh on the user's audio
 
     def stop(self, slot: int) -> None:
-        pass  # the next start resets the slot
+        self._unencoded.pop(slot, None)  # the next start resets the slot
 
     def prefilling(self, slot: int) -> bool:
         return False  # start() plays the whole prefill
@@ -207,6 +214,9 @@ class Talker:
         """One batched step: each slot in `user_frames` plays its 1920-sample frame. Returns the
         agent step of each slot answered (none while inside the model's delays)."""
         self.settle()
+        for slot in user_frames:
+            if slot in self._unencoded:  # the engine ends that conversation and steps the rest
+                raise SlotFault(slot, f"Mimi-encoding this conversation's last frame failed: {self._unencoded[slot]}")
         if not user_frames:
             return {}
         later = self._encoder is not None

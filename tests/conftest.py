@@ -46,6 +46,26 @@ def tiny_moshi_lm(device, dtype, **size):
     return moshi_loaders.get_moshi_lm(None, lm_kwargs=kwargs, device=device, dtype=dtype).eval()
 
 
+def greedy_tokens_of(gen, active_at, steps: int) -> list:
+    """The greedy tokens of `steps` steps of a SlotGenerator whose slots are started: random
+    user codes, nothing else forced, `active_at(i)` the rows active at step i ([num_slots] bools)."""
+    import torch
+
+    from personaplex_triton.generation import StepInputs
+
+    rows, device = gen.num_slots, gen.device
+    rng = torch.Generator().manual_seed(1)
+    none = torch.zeros(rows, dtype=torch.bool, device=device)
+    out = []
+    for i in range(steps):
+        user = torch.randint(0, 2048, (rows, 8), generator=rng).to(device)
+        tokens, has_output, _ = gen.step(StepInputs(
+            torch.tensor(active_at(i), device=device), user, torch.zeros(rows, 8, dtype=torch.long, device=device),
+            none, torch.zeros(rows, dtype=torch.long, device=device), none))
+        out.append(tokens[has_output].cpu().tolist())
+    return out
+
+
 @pytest.fixture(scope="session")
 def make_tiny():
     return load_export_tool("make_tiny_checkpoint")

@@ -5,7 +5,7 @@ steps (graphed and eager) match moshi's streaming Mimi."""
 
 import pytest
 import torch
-from conftest import tiny_moshi_lm
+from conftest import greedy_tokens_of, tiny_moshi_lm
 
 from personaplex_triton import kv_cache, ring_attention
 from personaplex_triton.generation import SlotGenerator, StepInputs
@@ -111,18 +111,7 @@ def test_ring_attention_gives_moshis_tokens():
         try:
             for slot in (0, 1, 3):
                 gen.start(slot, SamplingParams(greedy=True))
-            rng = torch.Generator().manual_seed(1)
-            out = []
-            for i in range(90):
-                active = torch.tensor([True, True, i % 3 != 0 or i > 40, i > 10])
-                none = torch.zeros(SLOTS, dtype=torch.bool)
-                inputs = StepInputs(active, torch.randint(0, 2048, (SLOTS, 8), generator=rng),
-                                    torch.zeros(SLOTS, 8, dtype=torch.long), none,
-                                    torch.zeros(SLOTS, dtype=torch.long), none)
-                tokens, has_output, _ = gen.step(StepInputs(*(t.cuda() for t in vars(inputs).values()
-                                                              if t is not None)))
-                out.append(tokens[has_output].cpu().tolist())
-            return out
+            return greedy_tokens_of(gen, lambda i: [True, True, i % 3 != 0 or i > 40, i > 10], 90)
         finally:
             gen.close()
 

@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_moshi_lm
+from conftest import greedy_tokens_of, tiny_moshi_lm
 
 from personaplex_triton import kv_cache, ring_attention
-from personaplex_triton.generation import SlotGenerator, StepInputs
+from personaplex_triton.generation import SlotGenerator
 from personaplex_triton.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -113,16 +113,7 @@ def test_generator_gives_moshis_tokens():
         try:
             for slot in range(3):
                 gen.start(slot, SamplingParams(greedy=True))
-            rng = torch.Generator().manual_seed(1)
-            out = []
-            for i in range(16):
-                active = torch.tensor([True, i % 3 != 0 or i > 6, i > 3])
-                none = torch.zeros(3, dtype=torch.bool)
-                tokens, has_output, _ = gen.step(StepInputs(active, torch.randint(0, 2048, (3, 8), generator=rng),
-                                                            torch.zeros(3, 8, dtype=torch.long), none,
-                                                            torch.zeros(3, dtype=torch.long), none))
-                out.append(tokens[has_output].tolist())
-            return out
+            return greedy_tokens_of(gen, lambda i: [True, i % 3 != 0 or i > 6, i > 3], 16)
         finally:
             gen.close()
 

@@ -5,7 +5,7 @@ batched step; the engine's ConversationTable (conversations.py) maps conversatio
 queues each request's items and, each tick, hands every slot at most one item (slots still
 prefilling tick without one). Requests only queue work (`execute()` returns at once); answers
 go back through each request's callbacks, in order, from the engine's outbox thread
-(outbox.py): the next tick need not wait for the sends. Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub
+(outbox.py, answers.py): the next tick need not wait for the sends. Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub
 sends from several at once (a boost::interprocess lock_exception).
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from . import metrics as reasons
+from .answers import Answer, AnswerSender
 from .conversations import Conversation, ConversationError, ConversationTable, Request
 from .faults import FaultPlan, SlotFault
 from .metrics import Metrics
@@ -48,18 +48,6 @@ class Stage(Protocol):
     def tick(self, items: dict[int, Any]) -> dict[int, Any]: ...
 
 
-@dataclass
-class _Answer:
-    """A stage's output for one item, waiting in the outbox."""
-    conversation: Conversation
-    request: Request
-    output: Any
-    index: int          # the item's index in its conversation
-    queued: float       # for the frame trace: when the item was queued, the tick that took it
-    tick_span: tuple
-    rows: int
-
-
 class SlotEngine:
     def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
@@ -82,7 +70,8 @@ class SlotEngine:
         self._last_cancel_poll = self._last_beat = 0.0
         self._occupancy: tuple[int, int] | None = None
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
-        self._outbox = Outbox(name, self._deliver, lambda exc: self._stop_all(
+        sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
+        self._outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
             f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE))
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -284,41 +273,9 @@ class SlotEngine:
             if slot not in outputs:
                 self._fail(conv, "internal error: the stage produced no output for a frame", reasons.INTERNAL)
                 continue
-            answers.append(_Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
+            answers.append(Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
             conv.answered += 1
         self._outbox.put(answers)
-
-    def _deliver(self, answers: list[_Answer]) -> None:
-        """On the outbox's thread: send a tick's answers."""
-        for answer in answers:
-            self._send(answer)
-        self.trace.flush()
-
-    def _send(self, answer: _Answer) -> None:
-        """Send one answer; a request's last answer completes it."""
-        conv, request = answer.conversation, answer.request
-        with self._cond:
-            if request not in conv.requests:  # the conversation ended since its tick
-                return
-        last = request.answered + 1 == len(request.items)
-        try:
-            if self.faults is not None:
-                self.faults.before_send(conv.key)
-            if not request.send(answer.output, answer.index, last):
-                return
-        except Exception as exc:  # the client is gone, or the response could not be made
-            log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
-            self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
-            return
-        self.metrics.frame_answered(time.monotonic() - request.received)
-        if self.trace.enabled:
-            self.trace.frame(conv.key, answer.index, answer.queued, *answer.tick_span, answer.rows, time.time())
-        request.answered += 1
-        if last:
-            with self._cond:
-                conv.requests.remove(request)
-                conv.last_active = time.monotonic()  # idle from its last answer on
-                self._cond.notify()  # a closing conversation may now free its slot
 
     def _answer(self, on_done, error: str | None) -> bool:
         try:

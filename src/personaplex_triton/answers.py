@@ -1,0 +1,79 @@
+"""The engine's output processing: a tick's answers leave for their requests.
+
+`AnswerSender.deliver` runs on the engine's outbox thread (outbox.py), a tick's answers at a
+time. Each answer goes to its request in order, the request's last one completing it; a send
+that fails ends that conversation only (the engine's `fail`). Every answer sent is counted in
+the metrics and, when tracing, timed into the frame trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import metrics as reasons
+from .conversations import Conversation, Request
+from .faults import FaultPlan
+from .metrics import Metrics
+from .trace import FrameTrace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Answer:
+    """A stage's output for one item, waiting in the outbox."""
+    conversation: Conversation
+    request: Request
+    output: Any
+    index: int          # the item's index in its conversation
+    queued: float       # for the frame trace: when the item was queued, the tick that took it
+    tick_span: tuple
+    rows: int
+
+
+class AnswerSender:
+    def __init__(self, name: str, lock: threading.Condition, fail: Callable[[Conversation, str, str], None],
+                 metrics: Metrics, trace: FrameTrace, faults: FaultPlan | None = None):
+        """`lock`: the engine's, over its conversations (notified when a request completes, as a
+        closing conversation may then free its slot); `fail(conversation, message, reason)`
+        ends a conversation."""
+        self.name = name
+        self._lock = lock
+        self._fail = fail
+        self.metrics = metrics
+        self.trace = trace
+        self.faults = faults
+
+    def deliver(self, answers: list[Answer]) -> None:
+        for answer in answers:
+            self._send(answer)
+        self.trace.flush()
+
+    def _send(self, answer: Answer) -> None:
+        conv, request = answer.conversation, answer.request
+        with self._lock:
+            if request not in conv.requests:  # the conversation ended since its tick
+                return
+        last = request.answered + 1 == len(request.items)
+        try:
+            if self.faults is not None:
+                self.faults.before_send(conv.key)
+            if not request.send(answer.output, answer.index, last):
+                return
+        except Exception as exc:  # the client is gone, or the response could not be made
+            log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
+            self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
+            return
+        self.metrics.frame_answered(time.monotonic() - request.received)
+        if self.trace.enabled:
+            self.trace.frame(conv.key, answer.index, answer.queued, *answer.tick_span, answer.rows, time.time())
+        request.answered += 1
+        if last:
+            with self._lock:
+                conv.requests.remove(request)
+                conv.last_active = time.monotonic()  # idle from its last answer on
+                self._lock.notify()

@@ -5,8 +5,9 @@ batched step; the engine's ConversationTable (conversations.py) maps conversatio
 queues each request's items and, each tick, hands every slot at most one item (slots still
 prefilling tick without one). Requests only queue work (`execute()` returns at once); answers
 go back through each request's callbacks, in order, from the engine's outbox thread
-(outbox.py, answers.py): the next tick need not wait for the sends. Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub
-sends from several at once (a boost::interprocess lock_exception).
+(outbox.py, answers.py): the next tick need not wait for the sends. Only one thread sends:
+tritonserver 2.51 aborts when a Python-backend stub sends from several at once (a
+boost::interprocess lock_exception).
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations
@@ -277,13 +278,12 @@ class SlotEngine:
             conv.answered += 1
         self._outbox.put(answers)
 
-    def _answer(self, on_done, error: str | None) -> bool:
+    def _answer(self, on_done, error: str | None) -> None:
+        """Complete a request; a failure to is logged, never raised into the loop."""
         try:
             on_done(error)
-            return True
         except Exception:
             log.exception("%s: answering a request failed", self.name)
-            return False
 
     def _fail(self, conv: Conversation, message: str, reason: str) -> None:
         """End a conversation: every request it still owes answers to gets the error."""

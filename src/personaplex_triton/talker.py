@@ -233,7 +233,7 @@ class Talker:
         idle = torch.zeros(rows, dtype=torch.long)
         inputs = StepInputs(*(t.to(self.device) for t in (active, user, idle[:, None].expand(rows, NUM_AUDIO),
                                                           unforced, idle, unforced)), user_later=later)
-        positions = self.generator.grid.offset[slots].clone()
+        positions = self.generator.grid.offset[slots].clone() if later else None  # before the step moves them
         tokens, has_output, _ = self.generator.step(inputs)
         if later:
             self._encoding = (self._encoder.submit(self.mimi.encode, user_frames), slots, positions)

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 
-def age(talker, frames: int) -> None:
-    """Put every slot `frames` frames into its conversation, as far as the step's cost goes: the
-    KV cache counts that many entries written (their values stay what they are) and RoPE that
-    many positions."""
-    for state in talker.generator.states.states():
+def age(generator, frames: int) -> None:
+    """Put every slot of a SlotGenerator `frames` frames into its conversation, as far as the
+    step's cost goes: the KV cache counts that many entries written (their values stay what they
+    are) and RoPE that many positions."""
+    for state in generator.states.states():
         if getattr(state, "kv_cache", None) is not None:
             state.kv_cache.end_offset[:] = frames
             state.offset[:] = frames
@@ -212,7 +212,7 @@ def talker_ticks(lm, encoder, tokenizer, pool: int, attention: str, kv_dtype, vo
     print(f"{attention} attention, {kv_name} KV: a new persona's start (its prefill) {prefill_ms} ms", flush=True)
     rows = []
     for fill in args.fill:
-        age(talker, fill)
+        age(talker.generator, fill)
         for slots in (s for s in args.slots if s <= pool):
             batch = {s: frames[s] for s in range(slots)}
             torch.cuda.reset_peak_memory_stats()

@@ -66,6 +66,43 @@ def greedy_tokens_of(gen, active_at, steps: int) -> list:
     return out
 
 
+def rope_and_store_against_moshi(device, stored, rtol: float) -> None:
+    """ring_attention.rope_and_store over 13 frames of 3 rows (4 query heads over 2 key heads of 8,
+    a 5-entry ring: it wraps twice; a row idling at times; offsets apart) against moshi: the
+    query is apply_rope's; the ring (to `rtol`) and its end_offset are `complete()`'s, less its
+    write into the idle rows' next entry (past the wrap that entry is still attended to); the
+    offsets move on where a row steps."""
+    import torch
+    from moshi.modules.rope import apply_rope
+    from moshi.modules.transformer import RingKVCache
+
+    from personaplex_triton import kv_cache, ring_attention
+
+    torch.manual_seed(2)
+    device = torch.device(device)
+    H, KV, D, C = 4, 2, 8, 5
+    ours = kv_cache.CastRingKVCache(3, KV, D, C, device=device, dtype=stored)
+    moshi = RingKVCache(3, KV, D, C, device=device, dtype=torch.float32)
+    offset = torch.tensor([0, 4, 9], device=device)
+    for step in range(13):
+        mask = torch.tensor([True, step % 3 != 1, step > 6], device=device)
+        projected = 10 * torch.randn(3, 1, (H + 2 * KV) * D, device=device)
+        q, k, v = projected.split([H * D, KV * D, KV * D], dim=-1)
+        want_q, want_k = apply_rope(q.view(3, 1, H, D).transpose(1, 2), k.view(3, 1, KV, D).transpose(1, 2),
+                                    offset, max_period=10_000)
+        before, index = moshi.cache.clone(), moshi.end_offset % C
+        moshi.complete(kv_cache.store(want_k, stored).float(),
+                       kv_cache.store(v.view(3, 1, KV, D).transpose(1, 2), stored).float(), mask)
+        for row in torch.nonzero(~mask).flatten().tolist():
+            moshi.cache[:, row, :, index[row]] = before[:, row, :, index[row]]
+        moved = offset + mask
+        got_q = ring_attention.rope_and_store(projected, offset, ours, mask, H, 10_000)
+        torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+        assert torch.equal(offset, moved) and torch.equal(ours.end_offset, moshi.end_offset)
+        torch.testing.assert_close(ours.cache.float(), moshi.cache, atol=1e-5, rtol=rtol)
+    assert ours.end_offset.tolist() == [13, 9, 6]
+
+
 @pytest.fixture(scope="session")
 def make_tiny():
     return load_export_tool("make_tiny_checkpoint")

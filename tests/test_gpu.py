@@ -5,9 +5,12 @@ steps (graphed and eager) match moshi's streaming Mimi."""
 
 import pytest
 import torch
-from conftest import greedy_tokens_of, tiny_moshi_lm
+from conftest import greedy_tokens_of, rope_and_store_against_moshi, tiny_moshi_lm
+from moshi.modules.gating import ActivationGating
+from moshi.modules.transformer import RMSNorm
+from torch.nn import functional as F
 
-from personaplex_triton import kv_cache, ring_attention
+from personaplex_triton import fused_ops, kv_cache, ring_attention
 from personaplex_triton.generation import SlotGenerator, StepInputs
 from personaplex_triton.sampling import SamplingParams
 
@@ -100,9 +103,10 @@ def test_fp8_kv_close_to_bf16(lm):
 
 def test_ring_attention_gives_moshis_tokens():
     """Greedy, fp32, CUDA graphs, a 40-frame context so the ring wraps, slots idling and joining:
-    the same tokens as moshi's attention (the reference). Slot 2 idles only before its ring
+    the project's kernels (ring attention, RoPE and ring write, fused norms and gatings) give
+    the same tokens as moshi's modules (the reference). Slot 2 idles only before its ring
     wraps: past it, moshi's write of an idle row's frame replaces an entry that row attends to,
-    which the ring path leaves (test_kv_cache.py)."""
+    which the ring path leaves (conftest.rope_and_store_against_moshi)."""
     def greedy_tokens(ring: bool):
         torch.manual_seed(0)
         lm = tiny_moshi_lm("cuda", torch.float32, context=40)
@@ -118,6 +122,30 @@ def test_ring_attention_gives_moshis_tokens():
     ring, moshi = greedy_tokens(True), greedy_tokens(False)
     assert sum(map(len, ring)) > 200
     assert ring == moshi
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_rope_and_store_on_gpu(stored):
+    """The decode's RoPE and ring write against moshi's, to one step of the stored dtype (the
+    kernel's fp32 RoPE may round its last bit otherwise, which can move a bf16 or fp8 value)."""
+    rope_and_store_against_moshi("cuda", stored, rtol={torch.float32: 1e-5, torch.bfloat16: 2 ** -7}.get(stored, 2 ** -3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_on_gpu(dtype):
+    """The 7B's widths: a norm of 4096 and a gating of 11264 hidden units routed through
+    fused_ops give moshi's outputs (bf16: a sum in another order, a rounding step at most)."""
+    torch.manual_seed(3)
+    norm = RMSNorm(4096, eps=1e-8, dtype=torch.float32).to("cuda", dtype)
+    gating = ActivationGating(4096, 16896, F.silu).to("cuda", dtype)
+    x = torch.randn(5, 1, 4096, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        norm.alpha.normal_()
+        want = gating(norm(x))
+        assert fused_ops.install(norm) + fused_ops.install(gating) == 2
+        got = gating(norm(x))
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])

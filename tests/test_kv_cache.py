@@ -1,4 +1,4 @@
-"""The KV cache's storage dtype and the one-frame write (kv_cache.py), on the CPU: against
+"""The KV cache's storage dtype (kv_cache.py), on the CPU: against
 moshi's `RingKVCache.complete()` and its attention in fp32, the reference."""
 
 import pytest
@@ -57,34 +57,13 @@ def test_bytes_per_conversation(lm):
     assert kv_cache.bytes_per_conversation(lm.transformer, FP8) * 2 == bf16
 
 
-def test_write_frame_is_moshis_complete_less_its_write_of_idle_rows():
-    """fp32, 3 rows, a 5-entry ring over 13 steps (wrapped twice), a row idling at times: the
-    cache and end_offset equal moshi's after every step, once moshi's write into the idle rows'
-    next entry is undone (past the wrap, that entry is still attended to)."""
-    torch.manual_seed(0)
-    ours, moshi = (RingKVCache(3, 2, 4, 5, device=torch.device("cpu"), dtype=torch.float32) for _ in range(2))
-    for step in range(13):
-        k, v = torch.randn(2, 3, 2, 1, 4)
-        mask = torch.tensor([True, step % 3 != 1, step > 6])
-        before = moshi.cache.clone()
-        index = moshi.end_offset % 5
-        moshi.complete(k, v, mask)
-        for row in torch.nonzero(~mask).flatten().tolist():
-            moshi.cache[:, row, :, index[row]] = before[:, row, :, index[row]]
-        kv_cache.write_frame(ours, k, v, mask)
-        assert torch.equal(ours.end_offset, moshi.end_offset)
-        assert torch.equal(ours.cache, moshi.cache)
-    assert ours.end_offset.tolist() == [13, 9, 6]
-
-
 @pytest.mark.parametrize("stored", [FP8, torch.bfloat16])
 def test_cast_cache_completes_as_moshi_on_the_stored_values(stored):
     """moshi's attention over a cache of another dtype: the same positions, and the entries it
-    reads are what the cache stores, upcast; `write_frame` stores the same."""
+    reads are what the cache stores, upcast."""
     torch.manual_seed(1)
     device = torch.device("cpu")
     cast = kv_cache.CastRingKVCache(2, 2, 4, 6, device=device, dtype=stored)
-    direct = kv_cache.CastRingKVCache(2, 2, 4, 6, device=device, dtype=stored)
     reference = RingKVCache(2, 2, 4, 6, device=device, dtype=torch.float32)
     for T in (4, 1, 1, 3):  # a prefill chunk, two frames, a chunk across the wrap
         k, v = 100 * torch.randn(2, 2, 2, T, 4)
@@ -95,11 +74,6 @@ def test_cast_cache_completes_as_moshi_on_the_stored_values(stored):
         assert got.keys.dtype == torch.float32
         assert torch.equal(got.positions, want.positions)
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
-        if T == 1:
-            kv_cache.write_frame(direct, k, v, mask)
-        else:
-            direct.complete(k, v, mask)
-        assert torch.equal(direct.cache.float(), cast.cache.float())
 
 
 def test_fp8_attention_close_to_fp32(lm):

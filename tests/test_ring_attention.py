@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import greedy_tokens_of, tiny_moshi_lm
 
-from personaplex_triton import kv_cache, ring_attention
+from personaplex_triton import fused_ops, kv_cache, ring_attention
 from personaplex_triton.generation import SlotGenerator
 from personaplex_triton.sampling import SamplingParams
 
@@ -73,20 +73,20 @@ def lm():
 
 
 def test_decode_equals_moshi_across_the_wrap(lm):
-    """fp32: each frame's output and, at the end, every cache and end_offset equal moshi's: the
-    first layer's cache exactly (its keys and values come from the same inputs), the next
-    layer's to fp32 rounding (the kernel sums in another order than SDPA). Row 2 idles only
-    before its ring wraps: past it, moshi's write of an idle row replaces an entry it attends
-    to, which the ring path does not (test_kv_cache.py)."""
+    """fp32: each frame's output and, at the end, every cache and end_offset equal moshi's, to
+    fp32 rounding (the kernels' RoPE and sums round in another order than moshi's ops). Row 2
+    idles only before its ring wraps: past it, moshi's write of an idle row replaces an entry it
+    attends to, which the ring path does not (conftest.rope_and_store_against_moshi)."""
     ring, moshi = stepped(lm, True, torch.float32), stepped(lm, False, torch.float32)
     for got, want in zip(ring[0], moshi[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for (cache, end), (want_cache, want_end) in zip(ring[1], moshi[1]):
         assert end.tolist() == want_end.tolist() == [16, 16, 11]
         torch.testing.assert_close(cache, want_cache, atol=1e-5, rtol=1e-5)
-    assert torch.equal(ring[1][0][0], moshi[1][0][0])
 
 
+@pytest.mark.skip(reason="Triton's interpreter mis-rounds float8_e4m3fn stores (7.8 gives 4); tests/test_gpu.py "
+                  "runs the fp8 decode (test_fp8_kv_close_to_bf16) and write (test_rope_and_store_on_gpu) on CUDA")
 def test_fp8_decode_equals_moshis_on_the_fp8_ring(lm):
     """The kernel over the fp8 ring gives what moshi's attention gives over the same ring upcast
     (up to a second-layer entry rounded to the next fp8 value: the two attentions' fp32 sums
@@ -103,13 +103,15 @@ def test_fp8_decode_equals_moshis_on_the_fp8_ring(lm):
 
 def test_generator_gives_moshis_tokens():
     """tests/test_gpu.py's token test, smaller: greedy, fp32, an 8-frame context so the ring
-    wraps, a slot joining late and one idling before its wrap: moshi's attention's tokens."""
+    wraps, a slot joining late and one idling before its wrap: the project's kernels (ring
+    attention, fused norms and gatings) give moshi's modules' tokens."""
     def greedy_tokens(ring: bool):
         torch.manual_seed(0)
         lm = tiny_moshi_lm("cpu", torch.float32, context=8)
         gen = SlotGenerator(lm, 3, cuda_graphs=False)
         if ring:
             ring_attention.install(lm.transformer)
+            fused_ops.install(lm)
         try:
             for slot in range(3):
                 gen.start(slot, SamplingParams(greedy=True))

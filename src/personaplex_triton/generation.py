@@ -16,7 +16,8 @@ streaming state of every module is viewed as its first `b` rows (slot_states.py)
 in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there is one graph per
 (batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
 client sends makes the server capture another. On CUDA, a one-frame step's attention reads only
-the KV entries each slot has written (ring_attention.py); moshi's attention is the reference.
+the KV entries each slot has written (ring_attention.py), and each RMS norm and gating activation
+is one kernel (fused_ops.py); moshi's modules are the reference.
 The KV cache holds the model's dtype, or float8_e4m3fn (kv_cache.py).
 """
 
@@ -28,7 +29,7 @@ import torch
 from moshi.utils.compile import CUDAGraphed
 from torch.nn import functional as F
 
-from . import kv_cache, loaders, ring_attention
+from . import fused_ops, kv_cache, loaders, ring_attention
 from .sampling import SamplingParams, SlotSampling, exponential_noise, sample
 from .slot_states import SlotStates
 from .token_grid import NUM_AUDIO, TokenGrid
@@ -70,7 +71,8 @@ class SlotGenerator:
 
     def __init__(self, lm, num_slots: int, cuda_graphs: bool = True, ring: bool = True,
                  kv_dtype: torch.dtype | None = None):
-        """`ring`: on CUDA, steps attend with ring_attention.attend (else moshi's attention).
+        """`ring`: on CUDA, steps run the project's kernels, ring_attention.py and fused_ops.py
+        (else moshi's modules, the reference).
         `kv_dtype`: what the temporal transformer's KV cache stores (None: the model's dtype)."""
         self.lm = lm
         self.num_slots = num_slots
@@ -85,8 +87,10 @@ class SlotGenerator:
         self.ring_attention = ring and ring_attention.available(device)
         if self.ring_attention:
             ring_attention.install(lm.transformer)
+            fused_ops.install(lm)
         else:
             ring_attention.uninstall(lm.transformer)
+            fused_ops.uninstall(lm)
         self.kv_dtype = kv_dtype or next(lm.parameters()).dtype
         kv_cache.store_in(lm.transformer, self.kv_dtype)
         self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}

@@ -5,10 +5,6 @@ at the 7B's 3000-frame context about 1.5 GB a conversation in bf16, which bounds
 conversations fit and is what a step reads. `kv_dtype` float8_e4m3fn stores them in half the
 bytes; the ring attention kernel loads fp8 and upcasts, and moshi's attention (the prefill's
 chunks, any step without the kernel) gets the ring upcast (`CastRingKVCache`).
-
-`write_frame` is the ring attention's write of one frame: the entry each row stepped writes,
-where moshi's `complete()` also computes the position of every entry, which that kernel does
-not need.
 """
 
 from __future__ import annotations
@@ -100,17 +96,3 @@ def store_in(transformer, dtype: torch.dtype) -> None:
         else:
             attention._init_streaming_state = types.MethodType(functools.partial(_init_state, dtype=dtype), attention)
 
-
-def write_frame(cache: RingKVCache, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> None:
-    """One frame's keys and values [B, kv heads, 1, D] into entry `end_offset % capacity` of
-    each row stepped (`exec_mask`), whose `end_offset` moves on one, as moshi's `complete()`.
-    Fixed shapes and no host sync: it runs under a CUDA graph. Rows not stepped keep their
-    entries, where moshi writes their frame too: once their ring has wrapped, that replaces
-    the oldest entry an idle conversation still attends to."""
-    stored = cache.cache
-    bits = stored.view(_BITS[stored.itemsize]).permute(1, 3, 0, 2, 4)  # [B, capacity, 2, heads, D]
-    rows = torch.arange(bits.shape[0], device=bits.device)
-    index = cache.end_offset % cache.capacity
-    frame = store(torch.stack([k[:, :, 0], v[:, :, 0]], dim=1), stored.dtype).view(bits.dtype)
-    bits[rows, index] = torch.where(exec_mask[:, None, None, None], frame, bits[rows, index])
-    cache.end_offset.add_(exec_mask)

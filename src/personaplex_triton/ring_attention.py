@@ -8,7 +8,9 @@ RoPE was applied before the keys were stored. So this kernel reads, per conversa
 first `min(end_offset, capacity)` entries, split across the ring (flash-decoding) so that one
 conversation still spreads over the whole GPU. The shapes are fixed, so it runs under the
 step's CUDA graph. The cache may hold float8_e4m3fn (kv_cache.py): the kernel upcasts what it
-loads to the query's dtype.
+loads to the query's dtype. Before it, one kernel (`rope_and_store`) applies RoPE and writes the
+frame's key and value into the ring: moshi's RoPE and ring write are about forty small kernels a
+layer, which at one conversation cost more than the layer's attention.
 
 It replaces the forward of the temporal transformer's attention modules for one-frame steps on
 CUDA (`install`); every other call, the CPU and the prefill's chunks keep moshi's path, which
@@ -17,12 +19,13 @@ tests use as the reference.
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
 from einops import rearrange
 
-from .kv_cache import self_attentions, write_frame
+from .kv_cache import FP8_MAX, self_attentions
 
 try:
     import triton
@@ -36,10 +39,12 @@ BLOCK_N = 64            # entries per load
 
 
 if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, max_ptr, sum_ptr,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
-                          num_heads, kv_repeat, num_splits, split_size, scale,
+                          num_heads, kv_repeat, num_splits, split_size, capacity, scale,
                           BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
         """One (conversation, head, split): an unnormalised softmax sum over the split's filled
         entries, with its maximum and sum. On tensor cores, the query repeated to 16 rows
@@ -49,7 +54,7 @@ if triton is not None:
         split = tl.program_id(1)
         b = row // num_heads
         kv_head = (row % num_heads) // kv_repeat
-        length = tl.load(len_ptr + b)
+        length = tl.minimum(tl.load(len_ptr + b), capacity)  # a wrapped ring: every entry
         start = split * split_size
         end = tl.minimum(start + split_size, length)
         dims = tl.arange(0, HEAD_DIM)
@@ -100,6 +105,59 @@ if triton is not None:
         out = tl.sum(acc * scale[:, None], axis=0) / total
         tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
+    @triton.jit
+    def _store_entry(dst, value, mask, FP8: tl.constexpr):
+        """A key or value (the model's dtype) into the ring's dtype, saturated first for fp8
+        as kv_cache.store does: float8_e4m3fn has no infinity."""
+        if FP8:
+            value = tl.minimum(tl.maximum(value.to(tl.float32), -_FP8_MAX), _FP8_MAX)
+        tl.store(dst, value.to(dst.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_store_kernel(proj_ptr, q_ptr, cache_ptr, offset_ptr, end_ptr, mask_ptr,
+                           stride_pb, stride_ckv, stride_cb, stride_ch, stride_cn,
+                           num_heads, kv_heads, capacity, freq_scale,
+                           HEADS: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr):
+        """One conversation's frame of projections [q heads | k heads | v heads]: RoPE at its
+        offset on the query and key heads (interleaved pairs, in fp32, as moshi's apply_rope),
+        the query out, the key and value into ring entry end % capacity if the row steps, then
+        both offsets on by one where it does. One program per row, so nothing races."""
+        b = tl.program_id(0)
+        heads = tl.arange(0, HEADS)[:, None]
+        pairs = 2 * tl.arange(0, HALF)[None, :]
+        D = 2 * HALF
+        steps = tl.load(mask_ptr + b).to(tl.int64)
+        offset = tl.load(offset_ptr + b)
+        end = tl.load(end_ptr + b)
+        dtype = q_ptr.dtype.element_ty
+        angle = tl.exp((pairs // 2).to(tl.float32) * freq_scale) * offset.to(tl.float32)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        row = proj_ptr + b * stride_pb
+
+        is_q = heads < num_heads
+        real = tl.load(row + heads * D + pairs, mask=is_q, other=0.0).to(tl.float32)
+        imag = tl.load(row + heads * D + pairs + 1, mask=is_q, other=0.0).to(tl.float32)
+        if ROPE:
+            real, imag = real * cos - imag * sin, real * sin + imag * cos
+        q_out = q_ptr + b * num_heads * D + heads * D + pairs
+        tl.store(q_out, real.to(dtype), mask=is_q)
+        tl.store(q_out + 1, imag.to(dtype), mask=is_q)
+
+        writes = (heads < kv_heads) & (steps != 0)
+        k_in = row + num_heads * D + heads * D + pairs
+        v_in = k_in + kv_heads * D
+        real = tl.load(k_in, mask=writes, other=0.0).to(tl.float32)
+        imag = tl.load(k_in + 1, mask=writes, other=0.0).to(tl.float32)
+        if ROPE:
+            real, imag = real * cos - imag * sin, real * sin + imag * cos
+        entry = cache_ptr + b * stride_cb + heads * stride_ch + (end % capacity) * stride_cn + pairs
+        _store_entry(entry, real.to(dtype), writes, FP8)
+        _store_entry(entry + 1, imag.to(dtype), writes, FP8)
+        _store_entry(entry + stride_ckv, tl.load(v_in, mask=writes, other=0.0), writes, FP8)
+        _store_entry(entry + stride_ckv + 1, tl.load(v_in + 1, mask=writes, other=0.0), writes, FP8)
+        tl.store(offset_ptr + b, offset + steps)
+        tl.store(end_ptr + b, end + steps)
+
 
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
@@ -113,7 +171,7 @@ def num_splits(rows: int, capacity: int) -> int:
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
            splits: int | None = None, block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
-    """Softmax attention of q [B, H, 1, D] over entries [0, lengths[b]) of keys and values
+    """Softmax attention of q [B, H, 1, D] over entries [0, min(lengths[b], capacity)) of keys and values
     [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout; q's
     dtype or float8_e4m3fn); returns [B, H, 1, D] in q's dtype. A row with no entries gets
     zeros. `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark."""
@@ -128,7 +186,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     sums = torch.empty_like(maxima)
     args = (q, keys, values, lengths, acc, maxima, sums,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-            H, H // keys.shape[1], splits, split_size, D ** -0.5)
+            H, H // keys.shape[1], splits, split_size, capacity, D ** -0.5)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
     _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, num_warps=warps)
     out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
@@ -137,27 +195,44 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     return out
 
 
+def rope_and_store(projected: torch.Tensor, offset: torch.Tensor, cache, exec_mask: torch.Tensor,
+                   num_heads: int, rope_period: float | None) -> torch.Tensor:
+    """One frame's projections [B, 1, (H + 2 * kv heads) * D] -> the query [B, H, 1, D], RoPE'd
+    at each row's `offset` (moshi's interleaved pairs; None: no RoPE). Each row stepped
+    (`exec_mask`) writes its RoPE'd key and its value into ring entry `end_offset % capacity` of
+    `cache` (moshi's RingKVCache), and its `offset` and the cache's `end_offset` move on one,
+    as moshi's `complete()` and attention do. Rows not stepped keep their entries, where moshi
+    writes their frame too: once their ring has wrapped, that replaces the oldest entry an idle
+    conversation still attends to. One kernel, where moshi's RoPE and write are about forty."""
+    B = projected.shape[0]
+    store = cache.cache  # [2, B, kv heads, capacity, D]
+    kv_heads, D = store.shape[2], store.shape[4]
+    if projected.stride(2) != 1 or store.stride(4) != 1 or D % 2:
+        raise ValueError("projections and the ring need contiguous heads of an even size")
+    q = torch.empty((B, num_heads, 1, D), device=projected.device, dtype=projected.dtype)
+    _rope_store_kernel[(B,)](projected, q, store, offset, cache.end_offset, exec_mask,
+                             projected.stride(0), store.stride(0), store.stride(1), store.stride(2), store.stride(3),
+                             num_heads, kv_heads, cache.capacity,
+                             -math.log(rope_period or 1.0) * 2 / D,
+                             HEADS=triton.next_power_of_2(num_heads), HALF=D // 2, ROPE=rope_period is not None,
+                             FP8=store.dtype == torch.float8_e4m3fn)
+    return q
+
+
 def _decode_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-    """One frame of a streaming self-attention module: moshi's projections and RoPE, the frame
-    written into the ring (kv_cache.write_frame), then `attend` over the filled entries.
-    Anything else goes to moshi's forward."""
+    """One frame of a streaming self-attention module: moshi's projection, `rope_and_store`,
+    `attend` over the filled entries, moshi's output projection. Anything else goes to moshi's
+    forward."""
     state = self._streaming_state
-    if state is None or query.shape[1] != 1 or state.kv_cache is None or len(self.in_projs) != 1:
+    if (state is None or query.shape[1] != 1 or state.kv_cache is None or len(self.in_projs) != 1
+            or (self.rope is not None and not self.rope.interleave)):
         return type(self).forward(self, query, key, value)
-    projected = self.in_projs[0](query)
-    heads, kv_heads = self.num_heads, self.num_heads // self.kv_repeat
-    q = rearrange(projected[:, :, :self.embed_dim], "b t (h d) -> b h t d", h=heads)
-    k, v = rearrange(projected[:, :, self.embed_dim:], "b t (p h d) -> p b h t d", p=2, h=kv_heads)
-    if self.rope:
-        q, k = self.rope(q, k, state.offset, time_before_heads=False)
     cache = state.kv_cache
-    write_frame(cache, k, v, state.exec_mask)
-    lengths = cache.end_offset.clamp(max=cache.capacity)
-    x = attend(q, cache.cache[0], cache.cache[1], lengths)
-    x = self.out_projs[0](rearrange(x, "b h t d -> b t (h d)"))
-    state.offset[:] = torch.where(state.exec_mask, state.offset + 1, state.offset)
+    q = rope_and_store(self.in_projs[0](query), state.offset, cache, state.exec_mask, self.num_heads,
+                       self.rope.max_period if self.rope is not None else None)
+    x = attend(q, cache.cache[0], cache.cache[1], cache.end_offset)
     state.offset_cpu += 1
-    return x
+    return self.out_projs[0](rearrange(x, "b h t d -> b t (h d)"))
 
 
 def install(transformer) -> int:

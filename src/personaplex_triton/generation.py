@@ -94,6 +94,7 @@ class SlotGenerator:
         self.kv_dtype = kv_dtype or next(lm.parameters()).dtype
         kv_cache.store_in(lm.transformer, self.kv_dtype)
         self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
+        self._unembedded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
         self.states = SlotStates(lm.transformer, num_slots, self.buckets)
@@ -157,17 +158,20 @@ class SlotGenerator:
         a batch bucket).
 
         Returns (tokens [b, 17] of position o - 1, has_output [b], input embeddings [b, 1, dim]);
-        rows without output (inactive, or still inside the delays) hold garbage.
+        rows without output (inactive, or still inside the delays) hold garbage. Under CUDA
+        graphs they are the graph's own buffers, which the next step overwrites.
         """
         b = inputs.active.shape[0]
-        o, emb, target, target_provided = self._read(slice(0, b), inputs)
+        active = inputs.active.to(self.device)
+        embeddings, embed_rows = inputs.embeddings, inputs.embed_rows
+        if embeddings is None:
+            embeddings, embed_rows = self._no_embeddings(b)
         exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        exec_mask[:b] = inputs.active
+        exec_mask[:b] = active
         self.lm.set_exec_mask(exec_mask)
         with self.states.first(b):
-            sampled = self._graphed_model_step(b)(emb, target, target_provided, o)
-        tokens, has_output = self.grid.write(slice(0, b), o, inputs.active, sampled, target_provided)
-        return tokens, has_output, emb
+            return self._graphed_step(b)(active, *_forced(inputs, self.device), embeddings.to(self.device),
+                                         embed_rows.to(self.device))
 
     @torch.no_grad()
     def prefill(self, slot: int, steps: list) -> torch.Tensor:
@@ -212,13 +216,24 @@ class SlotGenerator:
         self.grid.force(torch.tensor(slots, device=self.device), positions.to(self.device),
                         slice(1 + NUM_AUDIO, None), codes.to(self.device))
 
-    def _read(self, rows: slice, inputs: StepInputs):
-        """The grid's read of a step: (o, input embeddings [b, 1, dim], target, target provided)."""
-        o, previous, target, target_provided = self.grid.read(rows, inputs.active, *_forced(inputs, self.device))
+    def _step(self, active, forced, is_forced, embeddings, embed_rows):
+        """A step of the first b slots (b = active's rows): the token grid's read, the input
+        embeddings (`embeddings` [b, 1, dim] where `embed_rows`), the model, the grid's write."""
+        rows = slice(0, active.shape[0])
+        o, previous, target, target_provided = self.grid.read(rows, active, forced, is_forced)
         emb = self.embed(previous)
-        if inputs.embeddings is not None:
-            emb = torch.where(inputs.embed_rows[:, None, None], inputs.embeddings.to(emb), emb)
-        return o, emb, target, target_provided
+        emb = torch.where(embed_rows[:, None, None], embeddings.to(emb), emb)
+        sampled = self._model_step(emb, target, target_provided, o)
+        tokens, has_output = self.grid.write(rows, o, active, sampled, target_provided)
+        return tokens, has_output, emb
+
+    def _no_embeddings(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's embedding inputs when every row takes its tokens' embeddings."""
+        if b not in self._unembedded:
+            dtype = self.lm.text_emb.weight.dtype
+            self._unembedded[b] = (torch.zeros(b, 1, self.lm.dim, dtype=dtype, device=self.device),
+                                   torch.zeros(b, dtype=torch.bool, device=self.device))
+        return self._unembedded[b]
 
     def _idle_inputs(self, b: int) -> StepInputs:
         """A step of b rows with none active: it changes no slot's state."""
@@ -228,12 +243,13 @@ class SlotGenerator:
                           agent_codes=zeros(b, NUM_AUDIO), agent_forced=zeros(b, dtype=torch.bool),
                           text_token=zeros(b), text_forced=zeros(b, dtype=torch.bool))
 
-    def _graphed_model_step(self, b: int) -> CUDAGraphed:
-        """The model's part of a step, under a CUDA graph on GPUs (eager PyTorch is
-        launch-bound there); one graph per batch bucket and top-k bucket, as those set the shapes."""
+    def _graphed_step(self, b: int) -> CUDAGraphed:
+        """`_step` under a CUDA graph on GPUs (eager PyTorch is launch-bound there): the grid's
+        bookkeeping, the embeddings and the model in one launch. One graph per batch bucket and
+        top-k bucket, as those set the shapes."""
         key = (b, self.top_k_text_bound, self.top_k_bound)
         if key not in self._graphs:
-            self._graphs[key] = CUDAGraphed(self._model_step, disable=not self.cuda_graphs)
+            self._graphs[key] = CUDAGraphed(self._step, disable=not self.cuda_graphs)
         return self._graphs[key]
 
     def _model_step(self, emb, target, target_provided, step):

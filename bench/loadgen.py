@@ -21,14 +21,15 @@ from . import stats
 from .workload import new_persona, persona_for
 
 Log = Callable[[str], None]
+NEW_PERSONA_AFTER_S = 5.0  # a new persona joins conversations under way, past their own starts
 
 
 def conversations(url: str, frames: np.ndarray, n: int, log: Log, personas: list | None = None,
-                  tolerate_errors: bool = False) -> list:
-    """n conversations of `frames` at once (seeds 0..n-1, or `personas`); their
-    ConversationResults in order, or with `tolerate_errors` the exception of each that failed
-    (a server that refuses conversations past its slots). The first conversation reports its
-    progress every 25 frames."""
+                  tolerate_errors: bool = False, start_after_s: list[float] | None = None) -> list:
+    """n conversations of `frames` at once (seeds 0..n-1, or `personas`; conversation i starts
+    `start_after_s[i]` seconds after the first); their ConversationResults in order, or with
+    `tolerate_errors` the exception of each that failed (a server that refuses conversations
+    past its slots). The first conversation reports its progress every 25 frames."""
     pcm = frames.reshape(-1)
     personas = personas or [persona_for(i) for i in range(n)]
     results: list = [None] * n
@@ -41,6 +42,7 @@ def conversations(url: str, frames: np.ndarray, n: int, log: Log, personas: list
                 f"({time.monotonic() - started:.0f} s)")
 
     def talk(i):
+        time.sleep(start_after_s[i] if start_after_s else 0.0)
         try:
             results[i] = stream_conversation(pcm, url=url, persona=personas[i], realtime=True,
                                              check_ready=False, on_frame=progress if i == 0 else None)
@@ -81,16 +83,18 @@ def load_row(n: int, results: list) -> dict:
 def sweep(url: str, frames: np.ndarray, levels: list[int], log: Log, new_personas: bool = False,
           trace_dir=None, gpu_memory=None) -> list[dict]:
     """Each level in turn. `new_personas`: at each level above 1 the last conversation has a
-    persona the server has not seen (its first audio is reported apart). `trace_dir`: the
+    persona the server has not seen and starts NEW_PERSONA_AFTER_S after the others, while they
+    talk (its first audio is reported apart). `trace_dir`: the
     server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's frames are
     followed through the stages. `gpu_memory()`: GiB in use, sampled at the end of each level."""
     rows = []
     for n in levels:
         log(f"[load] {n} conversation(s), {len(frames)} frames each, one every 80 ms")
-        personas = [persona_for(i) for i in range(n)]
+        personas, start_after_s = [persona_for(i) for i in range(n)], [0.0] * n
         if new_personas and n > 1:
             personas[-1] = new_persona(f"{n}-{time.time_ns()}")
-        results = conversations(url, frames, n, log, personas, tolerate_errors=True)
+            start_after_s[-1] = NEW_PERSONA_AFTER_S
+        results = conversations(url, frames, n, log, personas, tolerate_errors=True, start_after_s=start_after_s)
         row = load_row(n, results)
         if new_personas and n > 1 and not isinstance(results[-1], Exception):
             row["first_audio_ms_new_persona"] = round(results[-1].first_audio_ms, 1)

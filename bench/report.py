@@ -18,6 +18,7 @@ from personaplex_triton.mimi_artefacts import file_sha256
 from personaplex_triton.serving import slots_in_log
 
 from . import stats
+from .loadgen import NEW_PERSONA_AFTER_S
 
 
 def machine() -> dict:
@@ -141,7 +142,8 @@ def markdown(result: dict) -> str:
                   "frames here).", "",
                   "Failed: conversations the server refused or ended with an error (past its slots); "
                   "first audio of a new persona: the level's last conversation, whose persona the server had "
-                  "not seen (its prefill runs while the others talk).", "",
+                  f"not seen, starting {NEW_PERSONA_AFTER_S:g} s after the others (its prefill runs while "
+                  "they talk).", "",
                   "| conversations | frames | p50 (ms) | p95 (ms) | p99 (ms) | late frames | failed "
                   "| first audio p50 / max (ms) | first audio, new persona (ms) | frames/s | GPU memory (GiB) "
                   "| real time |",

@@ -10,6 +10,7 @@ from personaplex_triton.mimi_runtime import open_step
 from personaplex_triton.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
 from personaplex_triton.sampling import SamplingParams, exponential_noise, sample, uniform
 from personaplex_triton.talker import Talker, TalkerSetup, make_voice_bundle, prefill_program
+from personaplex_triton.token_grid import NUM_AUDIO
 
 NUM_SLOTS = 3
 
@@ -277,8 +278,11 @@ def moshi_depformer(generator):
         with lm.depformer.streaming(first_input.shape[0]):
             for cb in range(lm.dep_q):
                 logits = lm.forward_depformer(cb, prev[:, None, None], transformer_out)[:, 0, 0]
-                tokens.append(sample(logits, smp.greedy, smp.temperature, smp.top_k, noise[:, cb],
-                                     generator.top_k_bound))
+                if cb < NUM_AUDIO:
+                    tokens.append(sample(logits, smp.greedy, smp.temperature, smp.top_k, noise[:, cb],
+                                         generator.top_k_bound))
+                else:  # the user's codebooks: their samples give way to the user's codes
+                    tokens.append(logits.argmax(dim=-1))
                 prev = torch.where(forced_mask[:, cb], forced[:, cb], tokens[-1])
         return torch.stack(tokens, dim=1)
 

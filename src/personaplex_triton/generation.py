@@ -256,7 +256,9 @@ class SlotGenerator:
         """Temporal transformer on the input embeddings [S, 1, dim], then the text token and
         the 16 depformer codebooks: [S, 17] sampled tokens of position `step`."""
         lm, smp = self.lm, self.sampling.rows(emb.shape[0])
-        noise = exponential_noise(smp.seed, step, self.grid.num_codebooks, max(self.top_k_text_bound, self.top_k_bound))
+        # channels: the text token and the agent's codebooks, the only ones sampled (a channel's
+        # draws do not depend on how many are drawn)
+        noise = exponential_noise(smp.seed, step, 1 + NUM_AUDIO, max(self.top_k_text_bound, self.top_k_bound))
         transformer_out = lm.transformer(emb)
         if lm.out_norm:
             transformer_out = lm.out_norm(transformer_out)

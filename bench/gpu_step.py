@@ -149,9 +149,10 @@ def main():
     graphs = not args.no_cuda_graphs
     frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(max(args.slots))}
     agreements = {}
-    if args.agreement_frames and {"ring", "moshi"} <= set(args.attention):
+    if args.agreement_frames:
         agreements["attention"] = agreement(lm, args.agreement_frames, {"ring": False}, {"ring": True})
-        print("per-step agreement, ring vs moshi attention (eager):", agreements["attention"], flush=True)
+        print("per-step agreement, the project's kernels vs moshi's modules (eager):", agreements["attention"],
+              flush=True)
     if args.agreement_frames and set(args.kv_dtype) == set(kv_cache.KV_DTYPES):
         agreements["kv"] = agreement(lm, args.agreement_frames, {"kv_dtype": torch.bfloat16},
                                      {"kv_dtype": torch.float8_e4m3fn})
@@ -238,15 +239,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager model and Mimi steps")
-    parser.add_argument("--attention", nargs="+", choices=["ring", "moshi"], default=["ring", "moshi"],
-                        help="the step's attention: ring_attention.py, or moshi's (the reference)")
+    parser.add_argument("--attention", nargs="+", choices=["ring", "moshi"], default=["ring"],
+                        help="the step's kernels: ring = ring_attention.py and fused_ops.py, moshi = moshi's "
+                             "modules (the reference)")
     parser.add_argument("--kv-dtype", nargs="+", choices=list(kv_cache.KV_DTYPES), default=["bfloat16"],
                         help="what the KV cache stores (kv_cache.py)")
     parser.add_argument("--fill", type=int, nargs="+", default=[3000],
                         help="frames each conversation is into (its KV cache holds min(fill, 3000))")
     parser.add_argument("--agreement-frames", type=int, default=200,
-                        help="steps whose greedy samples are compared, ring against moshi attention where both "
-                             "run, fp8 against bf16 KV where both run (0: none)")
+                        help="steps whose greedy samples are compared: the project's kernels against moshi's "
+                             "modules, and fp8 against bf16 KV where both run (0: none)")
     args = parser.parse_args(argv)
     if args.tokenizer is None and args.from_json is None:
         parser.error("--tokenizer is required for a run")
@@ -295,7 +297,8 @@ def write_report(report, out: Path, name: str) -> None:
                   for dtype, m in report["memory"].items()]
     lines += ["", "| live conversations | code2wav tick (ms) |", "| ---: | ---: |"]
     lines += [f"| {r['slots']} | {r['code2wav_tick_ms']} |" for r in report["code2wav"]]
-    for key, what in (("agreement", "the ring attention's eager step against moshi's"),
+    for key, what in (("agreement", "the eager step on the project's kernels (ring attention, fused RoPE, norms and "
+                                    "gatings) against moshi's modules"),
                       ("kv_agreement", "the eager step with an fp8 KV cache against a bf16 one (ring attention)")):
         if report.get(key):
             a = report[key]

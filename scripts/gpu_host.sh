@@ -13,6 +13,8 @@
 #   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
 #   scripts/gpu_host.sh serve        # there: tritonserver in the background, until ready
 #   scripts/gpu_host.sh bench [ARG]  # there, against it: the load sweep, then perf_analyzer (ARG: --out DIR)
+#   scripts/gpu_host.sh engine [DIR] # there, no server up (part2 and a tokenizer suffice): the
+#                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
@@ -164,6 +166,15 @@ stop() {
     pkill -KILL -f triton_python_backend_stub 2>/dev/null || true
 }
 
+engine() {  # issue 10's table: the talker tick beside moshi's LMGen, in one session
+    environment
+    local out=${1:-bench/results} tokenizer
+    tokenizer=$(ls "$CHECKPOINT"/tokenizer*.model checkpoints/tiny/tokenizer*.model 2>/dev/null | head -1)
+    python bench/gpu_step.py --tokenizer "$tokenizer" --slots 1 8 32 64 128 --fill 3000 \
+        --kv-dtype bfloat16 float8_e4m3fn --agreement-frames 200 --out "$out"
+    python -m bench.moshi_anchor --batch 1 8 32 64 --out "$out/moshi_anchor.json"
+}
+
 case "${1:-}" in
     bundle) bundle ;;
     install) install "${2:-}" ;;
@@ -171,7 +182,8 @@ case "${1:-}" in
     test) gpu_tests ;;
     serve) serve ;;
     bench) shift; bench "$@" ;;
+    engine) engine "${2:-}" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
-    *) sed -n '2,21p' "$0"; exit 2 ;;
+    *) sed -n '2,23p' "$0"; exit 2 ;;
 esac

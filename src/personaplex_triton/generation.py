@@ -23,6 +23,7 @@ The KV cache holds the model's dtype, or float8_e4m3fn (kv_cache.py).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,7 @@ class SlotGenerator:
         self.states = SlotStates(lm.transformer, num_slots, self.buckets)
 
     def close(self) -> None:
+        self._graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
         self._streaming.__exit__(None, None, None)
 
     # -- slot life cycle -------------------------------------------------------------------
@@ -249,6 +251,10 @@ class SlotGenerator:
         top-k bucket, as those set the shapes."""
         key = (b, self.top_k_text_bound, self.top_k_bound)
         if key not in self._graphs:
+            # A CUDA graph freed while another is being captured (by a garbage collection of
+            # some unclosed generator, say) invalidates that capture: collect before it.
+            if self.cuda_graphs:
+                gc.collect()
             self._graphs[key] = CUDAGraphed(self._step, disable=not self.cuda_graphs)
         return self._graphs[key]
 

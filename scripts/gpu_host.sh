@@ -169,7 +169,7 @@ stop() {
 engine() {  # issue 10's table: the talker tick beside moshi's LMGen, in one session
     environment
     local out=${1:-bench/results} tokenizer
-    tokenizer=$(ls "$CHECKPOINT"/tokenizer*.model checkpoints/tiny/tokenizer*.model 2>/dev/null | head -1)
+    tokenizer=$(find "$CHECKPOINT" checkpoints/tiny -maxdepth 1 -name 'tokenizer*.model' 2>/dev/null | head -1 || true)
     python bench/gpu_step.py --tokenizer "$tokenizer" --slots 1 8 32 64 128 --fill 3000 \
         --kv-dtype bfloat16 float8_e4m3fn --agreement-frames 200 --out "$out"
     python -m bench.moshi_anchor --batch 1 8 32 64 --out "$out/moshi_anchor.json"

@@ -8,9 +8,9 @@ RoPE was applied before the keys were stored. So this kernel reads, per conversa
 first `min(end_offset, capacity)` entries, split across the ring (flash-decoding) so that one
 conversation still spreads over the whole GPU. The shapes are fixed, so it runs under the
 step's CUDA graph. The cache may hold float8_e4m3fn (kv_cache.py): the kernel upcasts what it
-loads to the query's dtype. Before it, one kernel (`rope_and_store`) applies RoPE and writes the
-frame's key and value into the ring: moshi's RoPE and ring write are about forty small kernels a
-layer, which at one conversation cost more than the layer's attention.
+loads to the query's dtype. Before it, `rope_and_store` applies RoPE and writes the frame's key
+and value into the ring in two kernels: moshi's RoPE and ring write are about forty small kernels
+a layer, which at one conversation cost more than the layer's attention.
 
 It replaces the forward of the temporal transformer's attention modules for one-frame steps on
 CUDA (`install`); every other call, the CPU and the prefill's chunks keep moshi's path, which
@@ -47,9 +47,11 @@ if triton is not None:
                           num_heads, kv_repeat, num_splits, split_size, capacity, scale,
                           BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
         """One (conversation, head, split): an unnormalised softmax sum over the split's filled
-        entries, with its maximum and sum. On tensor cores, the query repeated to 16 rows
-        (tl.dot's least), so the tiles go through shared memory, pipelined; read as vectors
-        into registers they made the kernel 1.3x slower at 64 conversations."""
+        entries, with its maximum and sum. The scores come from tensor cores, the query repeated
+        to 16 rows (tl.dot's least), so the tiles go through shared memory, pipelined (read as
+        vectors into registers they made the kernel 1.3x slower at 64 conversations); the
+        softmax then runs on one row of them, not on 16 equal rows: sixteen times the
+        exponentials made the kernel compute-bound, as fast on an fp8 ring as on a bf16 one."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         b = row // num_heads
@@ -58,32 +60,33 @@ if triton is not None:
         start = split * split_size
         end = tl.minimum(start + split_size, length)
         dims = tl.arange(0, HEAD_DIM)
-        copies = tl.arange(0, 16)
+        first_copy = tl.arange(0, 16) == 0
         q = tl.load(q_ptr + b * stride_qb + (row % num_heads) * stride_qh + dims)
         q = tl.broadcast_to(q[None, :], (16, HEAD_DIM))
         base = b * stride_kb + kv_head * stride_kh
-        running_max = tl.zeros([16], tl.float32) - float("inf")
-        running_sum = tl.zeros([16], tl.float32)
-        acc = tl.zeros([16, HEAD_DIM], tl.float32)
+        running_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        running_sum = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+        acc = tl.zeros([16, HEAD_DIM], tl.float32)  # 16 equal rows, for the tensor cores
         for first in range(start, end, BLOCK):
             entries = first + tl.arange(0, BLOCK)
             valid = entries < end
             offsets = base + entries[:, None] * stride_kn + dims[None, :]
             k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            weights = tl.exp(scores - new_max[:, None])
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            scores = tl.sum(tl.where(first_copy[:, None], scores, 0.0), axis=0) * scale  # row 0, exactly
+            scores = tl.where(valid, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+            weights = tl.exp(scores - new_max)
             rescale = tl.exp(running_max - new_max)
             v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
-            running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+            rows = tl.broadcast_to(weights[None, :], (16, BLOCK)).to(v.dtype)
+            acc = acc * rescale + tl.dot(rows, v, input_precision=PRECISION)
+            running_sum = running_sum * rescale + tl.sum(weights, axis=0)
             running_max = new_max
         out = row * num_splits + split
-        first_copy = copies == 0  # the 16 rows are equal: keep the first, exactly
         tl.store(acc_ptr + out * HEAD_DIM + dims, tl.sum(tl.where(first_copy[:, None], acc, 0.0), axis=0))
-        tl.store(max_ptr + out, tl.max(tl.where(first_copy, running_max, float("-inf")), axis=0))
-        tl.store(sum_ptr + out, tl.sum(tl.where(first_copy, running_sum, 0.0), axis=0))
+        tl.store(max_ptr + out, running_max)
+        tl.store(sum_ptr + out, running_sum)
 
     @triton.jit
     def _merge_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, num_splits,
@@ -106,58 +109,63 @@ if triton is not None:
         tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _store_entry(dst, value, mask, FP8: tl.constexpr):
+    def _store_entry(dst, value, FP8: tl.constexpr):
         """A key or value (the model's dtype) into the ring's dtype, saturated first for fp8
         as kv_cache.store does: float8_e4m3fn has no infinity."""
         if FP8:
             value = tl.minimum(tl.maximum(value.to(tl.float32), -_FP8_MAX), _FP8_MAX)
-        tl.store(dst, value.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst, value.to(dst.dtype.element_ty))
 
     @triton.jit
     def _rope_store_kernel(proj_ptr, q_ptr, cache_ptr, offset_ptr, end_ptr, mask_ptr,
                            stride_pb, stride_ckv, stride_cb, stride_ch, stride_cn,
                            num_heads, kv_heads, capacity, freq_scale,
-                           HEADS: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr):
-        """One conversation's frame of projections [q heads | k heads | v heads]: RoPE at its
-        offset on the query and key heads (interleaved pairs, in fp32, as moshi's apply_rope),
-        the query out, the key and value into ring entry end % capacity if the row steps, then
-        both offsets on by one where it does. One program per row, so nothing races."""
+                           HALF: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr):
+        """One (conversation, head) of a frame's projections [q heads | k heads | v heads]:
+        RoPE at the row's offset on the query head and on the key head of the same index
+        (interleaved pairs, in fp32, as moshi's apply_rope), the query out, the key and value
+        into ring entry end % capacity if the row steps. The offsets move on after
+        (`_advance_kernel`): every head of the row reads them first."""
         b = tl.program_id(0)
-        heads = tl.arange(0, HEADS)[:, None]
-        pairs = 2 * tl.arange(0, HALF)[None, :]
+        head = tl.program_id(1)
+        pairs = 2 * tl.arange(0, HALF)
         D = 2 * HALF
-        steps = tl.load(mask_ptr + b).to(tl.int64)
         offset = tl.load(offset_ptr + b)
-        end = tl.load(end_ptr + b)
         dtype = q_ptr.dtype.element_ty
         angle = tl.exp((pairs // 2).to(tl.float32) * freq_scale) * offset.to(tl.float32)
         cos, sin = tl.cos(angle), tl.sin(angle)
         row = proj_ptr + b * stride_pb
 
-        is_q = heads < num_heads
-        real = tl.load(row + heads * D + pairs, mask=is_q, other=0.0).to(tl.float32)
-        imag = tl.load(row + heads * D + pairs + 1, mask=is_q, other=0.0).to(tl.float32)
+        real = tl.load(row + head * D + pairs).to(tl.float32)
+        imag = tl.load(row + head * D + pairs + 1).to(tl.float32)
         if ROPE:
             real, imag = real * cos - imag * sin, real * sin + imag * cos
-        q_out = q_ptr + b * num_heads * D + heads * D + pairs
-        tl.store(q_out, real.to(dtype), mask=is_q)
-        tl.store(q_out + 1, imag.to(dtype), mask=is_q)
+        q_out = q_ptr + (b * num_heads + head) * D + pairs
+        tl.store(q_out, real.to(dtype))
+        tl.store(q_out + 1, imag.to(dtype))
 
-        writes = (heads < kv_heads) & (steps != 0)
-        k_in = row + num_heads * D + heads * D + pairs
-        v_in = k_in + kv_heads * D
-        real = tl.load(k_in, mask=writes, other=0.0).to(tl.float32)
-        imag = tl.load(k_in + 1, mask=writes, other=0.0).to(tl.float32)
-        if ROPE:
-            real, imag = real * cos - imag * sin, real * sin + imag * cos
-        entry = cache_ptr + b * stride_cb + heads * stride_ch + (end % capacity) * stride_cn + pairs
-        _store_entry(entry, real.to(dtype), writes, FP8)
-        _store_entry(entry + 1, imag.to(dtype), writes, FP8)
-        _store_entry(entry + stride_ckv, tl.load(v_in, mask=writes, other=0.0), writes, FP8)
-        _store_entry(entry + stride_ckv + 1, tl.load(v_in + 1, mask=writes, other=0.0), writes, FP8)
-        tl.store(offset_ptr + b, offset + steps)
-        tl.store(end_ptr + b, end + steps)
+        if (head < kv_heads) & (tl.load(mask_ptr + b) != 0):
+            k_in = row + (num_heads + head) * D + pairs
+            v_in = k_in + kv_heads * D
+            real = tl.load(k_in).to(tl.float32)
+            imag = tl.load(k_in + 1).to(tl.float32)
+            if ROPE:
+                real, imag = real * cos - imag * sin, real * sin + imag * cos
+            entry = cache_ptr + b * stride_cb + head * stride_ch + (tl.load(end_ptr + b) % capacity) * stride_cn + pairs
+            _store_entry(entry, real.to(dtype), FP8)
+            _store_entry(entry + 1, imag.to(dtype), FP8)
+            _store_entry(entry + stride_ckv, tl.load(v_in), FP8)
+            _store_entry(entry + stride_ckv + 1, tl.load(v_in + 1), FP8)
 
+    @triton.jit
+    def _advance_kernel(offset_ptr, end_ptr, mask_ptr, rows, BLOCK: tl.constexpr):
+        """The offsets of the rows that stepped move on one, as moshi's attention and
+        `complete()` move them."""
+        b = tl.arange(0, BLOCK)
+        inside = b < rows
+        steps = tl.load(mask_ptr + b, mask=inside, other=0).to(tl.int64)
+        tl.store(offset_ptr + b, tl.load(offset_ptr + b, mask=inside) + steps, mask=inside)
+        tl.store(end_ptr + b, tl.load(end_ptr + b, mask=inside) + steps, mask=inside)
 
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
@@ -203,19 +211,20 @@ def rope_and_store(projected: torch.Tensor, offset: torch.Tensor, cache, exec_ma
     `cache` (moshi's RingKVCache), and its `offset` and the cache's `end_offset` move on one,
     as moshi's `complete()` and attention do. Rows not stepped keep their entries, where moshi
     writes their frame too: once their ring has wrapped, that replaces the oldest entry an idle
-    conversation still attends to. One kernel, where moshi's RoPE and write are about forty."""
+    conversation still attends to. Two kernels, where moshi's RoPE and write are about forty."""
     B = projected.shape[0]
     store = cache.cache  # [2, B, kv heads, capacity, D]
     kv_heads, D = store.shape[2], store.shape[4]
     if projected.stride(2) != 1 or store.stride(4) != 1 or D % 2:
         raise ValueError("projections and the ring need contiguous heads of an even size")
     q = torch.empty((B, num_heads, 1, D), device=projected.device, dtype=projected.dtype)
-    _rope_store_kernel[(B,)](projected, q, store, offset, cache.end_offset, exec_mask,
-                             projected.stride(0), store.stride(0), store.stride(1), store.stride(2), store.stride(3),
-                             num_heads, kv_heads, cache.capacity,
-                             -math.log(rope_period or 1.0) * 2 / D,
-                             HEADS=triton.next_power_of_2(num_heads), HALF=D // 2, ROPE=rope_period is not None,
-                             FP8=store.dtype == torch.float8_e4m3fn)
+    _rope_store_kernel[(B, num_heads)](projected, q, store, offset, cache.end_offset, exec_mask,
+                                       projected.stride(0), store.stride(0), store.stride(1), store.stride(2),
+                                       store.stride(3), num_heads, kv_heads, cache.capacity,
+                                       -math.log(rope_period or 1.0) * 2 / D,
+                                       HALF=D // 2, ROPE=rope_period is not None,
+                                       FP8=store.dtype == torch.float8_e4m3fn)
+    _advance_kernel[(1,)](offset, cache.end_offset, exec_mask, B, BLOCK=triton.next_power_of_2(B))
     return q
 
 

@@ -178,14 +178,12 @@ def num_splits(rows: int, capacity: int) -> int:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-           splits: int | None = None, block: int | None = None, warps: int = 4) -> torch.Tensor:
+           splits: int | None = None, block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, min(lengths[b], capacity)) of keys and values
     [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout; q's
     dtype or float8_e4m3fn); returns [B, H, 1, D] in q's dtype. A row with no entries gets
-    zeros. `splits`, `block`, `warps`: the launch (default: `num_splits`; BLOCK_N entries a
-    load, twice as many from a one-byte ring, so that a load moves as many bytes), for the benchmark."""
+    zeros. `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark."""
     B, H, _, D = q.shape
-    block = block or BLOCK_N * (2 if keys.element_size() == 1 else 1)
     capacity = keys.shape[2]
     splits = splits or num_splits(B * H, capacity)
     split_size = triton.cdiv(capacity, splits)

@@ -8,7 +8,7 @@ trees in one session to compare them:
     PYTHONPATH=/tmp/base/src python bench/step_profile.py --label base --out bench/results
     python bench/step_profile.py --compare bench/results/step_profile-base.json bench/results/step_profile-fused.json
 
-The first two write step_profile-LABEL.json; --compare writes step_profile.{md,png} beside them.
+The first two write step_profile-LABEL.json; --compare writes step_profile.{md,png} (--name) under --out.
 """
 
 import argparse
@@ -99,7 +99,7 @@ def profile_tree(args) -> dict:
             "fill": args.fill, "steps": args.steps, "commit": args.commit, "rows": rows}
 
 
-def compare(paths: list[Path], out: Path) -> None:
+def compare(paths: list[Path], out: Path, name: str) -> None:
     runs = [json.loads(p.read_text()) for p in paths]
     first = runs[0]
     slots = [r["slots"] for r in first["rows"]]
@@ -125,7 +125,7 @@ def compare(paths: list[Path], out: Path) -> None:
                       "| kernel | launches | ms |", "| --- | ---: | ---: |"]
             lines += [f"| `{k['kernel']}` | {k['per_step']} | {k['ms_per_step']} |" for k in r["top"]]
     out.mkdir(parents=True, exist_ok=True)
-    (out / "step_profile.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
     import matplotlib
@@ -142,7 +142,7 @@ def compare(paths: list[Path], out: Path) -> None:
     ax.legend()
     ax.set_title(f"{first['gpu']}, {first['kv_dtype']} KV, {first['date']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / "step_profile.png", dpi=110)
+    fig.savefig(out / f"{name}.png", dpi=110)
 
 
 def main(argv=None):
@@ -155,9 +155,10 @@ def main(argv=None):
     parser.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--compare", type=Path, nargs="+", help="step_profile-*.json to tabulate")
+    parser.add_argument("--name", default="step_profile", help="--compare's file names: NAME.{md,png}")
     args = parser.parse_args(argv)
     if args.compare:
-        return compare(args.compare, args.out)
+        return compare(args.compare, args.out, args.name)
     if args.commit is None:
         args.commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                      text=True).stdout.strip() or "unknown"

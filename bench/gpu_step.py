@@ -23,6 +23,7 @@ import gc
 import json
 import platform
 import statistics
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -132,6 +133,8 @@ def main():
     args = parse_args()
     if args.from_json:
         report = json.loads(args.from_json.read_text())
+        if args.anchor:
+            report["anchor"] = read_anchor(args.anchor)
         return write_report(report, args.out, args.from_json.stem)
 
     torch.manual_seed(0)
@@ -187,10 +190,12 @@ def main():
         del decoder
 
     report = {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "command": "python bench/gpu_step.py " + " ".join(sys.argv[1:]),
               "torch": torch.__version__, "python": platform.python_version(),
               "lm_parameters": params, "dtype": "bfloat16", "cuda_graphs": not args.no_cuda_graphs,
               "build_s": round(build_s, 1), "steps": args.steps, "rows": rows, "code2wav": code2wav,
-              "memory": memory, "agreement": agreements.get("attention"), "kv_agreement": agreements.get("kv")}
+              "memory": memory, "agreement": agreements.get("attention"), "kv_agreement": agreements.get("kv"),
+              "anchor": read_anchor(args.anchor) if args.anchor else None}
     write_report(report, args.out, "gpu_step" if report["cuda_graphs"] else "gpu_step_eager")
 
 
@@ -238,6 +243,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help="a SentencePiece model (any)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--from-json", type=Path, help="only render the table and plot of a result")
+    parser.add_argument("--anchor", type=Path, help="moshi's LMGen steps of the same session "
+                        "(bench/moshi_anchor.py's JSON): a column beside the ticks")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="eager model and Mimi steps")
     parser.add_argument("--attention", nargs="+", choices=["ring", "moshi"], default=["ring"],
                         help="the step's kernels: ring = ring_attention.py and fused_ops.py, moshi = moshi's "
@@ -255,6 +262,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def read_anchor(path: Path) -> dict:
+    """moshi's LMGen step (bench/moshi_anchor.py's JSON), measured in the same session: ms by batch."""
+    return {str(r["batch"]): r["step_ms"] for r in json.loads(path.read_text())["rows"]}
+
+
 def write_report(report, out: Path, name: str) -> None:
     rows, steps = report["rows"], report["steps"]
     out.mkdir(parents=True, exist_ok=True)
@@ -266,22 +278,30 @@ def write_report(report, out: Path, name: str) -> None:
     label = {run: f"{run[0]} attention" + (f", {run[1]} KV" if len(kv) > 1 else "") for run in runs}
     short = {run: run[1] if len({a for a, _ in runs}) == 1 else run[0] for run in runs}
     ratio = len(runs) == 2
+    anchor = report.get("anchor")
     lines = [f"# GPU tick times ({report['date']}, {report['gpu']}, torch {report['torch']}, {mode})", "",
              f"PersonaPlex 7B architecture, {report['lm_parameters'] / 1e9:.2f} B parameters, random bf16 "
              f"weights; median of {steps} ticks (Talker.tick: Mimi encode, step, results on the host). "
              "Each conversation is `context frames` into its conversation (its KV cache holds "
              "min(that, 3000) entries); - where that many conversations do not fit beside the weights. "
-             "Command: `python bench/gpu_step.py --tokenizer ... --fill ...`.", "",
+             f"Command: `{report.get('command', 'python bench/gpu_step.py --tokenizer ... --fill ...')}`.", "",
              "| context frames | live conversations | " + " | ".join(f"talker tick, {label[run]} (ms)" for run in runs)
              + (f" | {short[runs[1]]} / {short[runs[0]]}" if ratio else "")
+             + (" | moshi `LMGen.step` (ms) | tick / moshi (" + ", ".join(short[run] for run in runs) + ")"
+                if anchor else "")
              + f" | peak GPU memory (GiB{', ' + ' / '.join(short[run] for run in runs) if len(runs) > 1 else ''}) |",
-             "| ---: | ---: | " + " | ".join("---:" for _ in runs) + (" | ---:" if ratio else "") + " | ---: |"]
+             "| ---: | ---: | " + " | ".join("---:" for _ in runs) + (" | ---:" if ratio else "")
+             + (" | ---: | ---:" if anchor else "") + " | ---: |"]
     for fill, slots in sorted({key[2:] for key in tick}):
         ms = [tick.get((*run, fill, slots), {}).get("talker_tick_ms") for run in runs]
         peaks = [tick.get((*run, fill, slots), {}).get("peak_gib") for run in runs]
         cells = [str(m) if m is not None else "-" for m in ms]
         if ratio:
             cells.append(f"{ms[1] / ms[0]:.2f}" if None not in ms else "-")
+        if anchor:
+            moshi = anchor.get(str(slots))
+            cells += [str(moshi) if moshi else "-",
+                      " / ".join(f"{m / moshi:.2f}" if m and moshi else "-" for m in ms)]
         lines.append(f"| {fill} | {slots} | " + " | ".join(cells) + " | "
                      + " / ".join(str(p) if p is not None else "-" for p in peaks) + " |")
     starts = sorted({(label[(r["attention"], r.get("kv_dtype", "bfloat16"))], r["new_persona_start_ms"])
@@ -321,6 +341,9 @@ def write_report(report, out: Path, name: str) -> None:
                     "o-" if run[0] == "ring" else "s--", label=f"talker, {label[run]}, {fill} frames in")
     ax.plot([r["slots"] for r in report["code2wav"]], [r["code2wav_tick_ms"] for r in report["code2wav"]],
             "^:", label="code2wav")
+    if anchor:
+        batches = sorted(anchor, key=int)
+        ax.plot([int(b) for b in batches], [anchor[b] for b in batches], "kx--", label="moshi LMGen.step")
     slots = sorted({r["slots"] for r in rows})
     ax.axhline(80, color="grey", lw=0.8, label="real time (80 ms)")
     ax.set(xscale="log", xticks=slots, xticklabels=slots, xlabel="live conversations", ylabel="ms per tick")

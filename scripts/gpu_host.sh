@@ -173,6 +173,7 @@ engine() {  # issue 10's table: the talker tick beside moshi's LMGen, in one ses
     python bench/gpu_step.py --tokenizer "$tokenizer" --slots 1 8 32 64 128 --fill 3000 \
         --kv-dtype bfloat16 float8_e4m3fn --agreement-frames 200 --out "$out"
     python -m bench.moshi_anchor --batch 1 8 32 64 --out "$out/moshi_anchor.json"
+    python bench/gpu_step.py --from-json "$out/gpu_step.json" --anchor "$out/moshi_anchor.json" --out "$out"
 }
 
 case "${1:-}" in

@@ -11,6 +11,7 @@
 #   scripts/gpu_host.sh install PART # there: unpack build/gpu-bundle/PART.tar.xz (part1, part2)
 #   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
 #   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
+#   scripts/gpu_host.sh test-library # there, part2 only: the library's GPU tests (tests/test_gpu.py)
 #   scripts/gpu_host.sh serve        # there: tritonserver in the background, until ready
 #   scripts/gpu_host.sh bench [ARG]  # there, against it: the load sweep, then perf_analyzer (ARG: --out DIR)
 #   scripts/gpu_host.sh engine [DIR] # there, no server up (part2 and a tokenizer suffice): the
@@ -19,8 +20,9 @@
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
 # On the lent machine each step is one `device` call (a warm machine keeps build/ and
-# checkpoints/ between calls, and a server started): install part1; install part2 + checkpoint
-# + test; serve + bench. The README's "Serving on a GPU host" section has the exact calls.
+# checkpoints/ between calls, and a server started): install part2 + test-library + engine;
+# install part1 + checkpoint + test; serve + bench. The README's "Serving on a GPU host"
+# section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -181,10 +183,11 @@ case "${1:-}" in
     install) install "${2:-}" ;;
     checkpoint) checkpoint ;;
     test) gpu_tests ;;
+    test-library) environment; python -m pytest -q -rs tests/test_gpu.py ;;
     serve) serve ;;
     bench) shift; bench "$@" ;;
     engine) engine "${2:-}" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
-    *) sed -n '2,23p' "$0"; exit 2 ;;
+    *) sed -n '2,25p' "$0"; exit 2 ;;
 esac

@@ -9,12 +9,14 @@ the baseline).
     python bench/gpu_step.py --from-json bench/results/gpu_step.json   (table and plot again)
 
 Writes gpu_step.{json,md,png} (gpu_step_eager.* with --no-cuda-graphs) under --out. A tick =
-Mimi-encode every slot's user frame, one temporal-transformer step, the 16-codebook depformer,
-sampling, results on the host (Talker.tick); code2wav = one batched streaming Mimi decode
-(Code2Wav.tick). Each attention (ring_attention.py, moshi's) and KV cache dtype (kv_cache.py)
-at each context fill; per KV dtype, the bytes a conversation holds and how many fit beside the
-weights (a pool of more than `max_conversations auto` gives is not run); and the greedy samples
-of ring against moshi attention, and of fp8 against bf16 KV, from the same states (`agreement`).
+one temporal-transformer step, the depformer over the agent's 8 codebooks, sampling, results on
+the host, and the Mimi encode of every slot's user frame (Talker.tick); code2wav = one batched
+streaming Mimi decode (Code2Wav.tick). Each kernel set (ring: the project's kernels; moshi's
+modules) and KV cache dtype (kv_cache.py) at each context fill; per KV dtype, the bytes a
+conversation holds and how many fit beside the weights (a pool of more than `max_conversations
+auto` gives is not run); the greedy samples of the project's kernels against moshi's modules,
+and of fp8 against bf16 KV, from the same states (`agreement`); with --anchor, moshi's own step
+of the same session beside the ticks.
 """
 
 import argparse

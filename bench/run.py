@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--server-log", type=Path,
                         help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
     parser.add_argument("--name", help="machine part of the file names (default: from this machine's CPU / GPU)")
+    parser.add_argument("--commit", help="what the tree is (default: git's HEAD here; a copy whose history is stale "
+                                         "needs it said)")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--conversations", type=int, nargs="+", default=[1, 2, 4],
                         help="real-time load levels (concurrent conversations)")
@@ -99,7 +101,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
               "command": args.command,
               "machine": machine, "server": where, "triton_version": info["triton_version"],
               "checkpoint": checkpoint, "talker": info["talker"], "code2wav": info["code2wav"],
-              "commit": report.git_commit(), "load_average_start": round(os.getloadavg()[0], 2),
+              "commit": args.commit or report.git_commit(), "load_average_start": round(os.getloadavg()[0], 2),
               "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt}}
     result = {"header": header}
     stem = f"{header['date']}-{args.name or machine['slug']}"

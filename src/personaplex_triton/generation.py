@@ -31,7 +31,7 @@ from moshi.utils.compile import CUDAGraphed
 from torch.nn import functional as F
 
 from . import fused_ops, kv_cache, loaders, ring_attention
-from .sampling import SamplingParams, SlotSampling, exponential_noise, sample
+from .sampling import Sampler, SamplingParams, SlotSampling, exponential_noise, sample
 from .slot_states import SlotStates
 from .token_grid import NUM_AUDIO, TokenGrid
 PREFILL_CHUNK = 256  # prefill positions per transformer pass
@@ -171,7 +171,10 @@ class SlotGenerator:
         exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
         exec_mask[:b] = active
         self.lm.set_exec_mask(exec_mask)
-        with self.states.first(b):
+        # On a CPU each of the step's ~1000 small ops pays PyTorch's dispatch; inference mode
+        # skips their autograd and version-counter bookkeeping (a tenth of the tick). A GPU
+        # replays a graph.
+        with self.states.first(b), torch.inference_mode(self.device.type == "cpu"):
             return self._graphed_step(b)(active, *_forced(inputs, self.device), embeddings.to(self.device),
                                          embed_rows.to(self.device))
 
@@ -281,7 +284,9 @@ class SlotGenerator:
         bookkeeping written out: each layer's keys and values of the codebooks so far sit in
         one buffer that attention reads up to the current codebook, where moshi keeps a ring
         KV cache, per-row offsets and a mask for each layer and call (most of a CPU step's
-        time at small widths).
+        time at small widths). The projections are called as `F.linear` on their modules'
+        weights, and the first codebook's attention, over its one key, is its value (a
+        softmax of one score is exactly 1): on a CPU every op's dispatch counts.
 
         Only the agent's codebooks run: the user's audio is forced at every step (or written
         right after it, `force_user`), so the samples of the last NUM_AUDIO codebooks would be
@@ -293,24 +298,31 @@ class SlotGenerator:
         heads = layers[0].self_attn.num_heads
         head_dim = layers[0].self_attn.embed_dim // heads
         kv = transformer_out.new_empty((len(layers), 2, b, heads, steps, head_dim))
+        sample_audio = Sampler(smp.greedy, smp.temperature, smp.top_k, self.top_k_bound, lm.card)
         tokens = []
         prev = first_input
         for cb in range(steps):
             token_emb = lm.depformer_text_emb if cb == 0 else lm.depformer_emb[cb - 1]
-            x = lm.depformer_in[cb](transformer_out) + token_emb(prev[:, None])
+            x = _linear(lm.depformer_in[cb], transformer_out) + token_emb(prev[:, None])
             for layer, (keys, values) in zip(layers, kv):
                 attn = layer.self_attn
-                q, k, v = attn.in_projs[cb](layer.norm1(x)).view(b, 1, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+                q, k, v = _linear(attn.in_projs[cb], layer.norm1(x)).view(b, 1, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
                 keys[:, :, cb:cb + 1] = k
                 values[:, :, cb:cb + 1] = v
-                out = F.scaled_dot_product_attention(q, keys[:, :, :cb + 1], values[:, :, :cb + 1])
-                x = x + attn.out_projs[cb](out.transpose(1, 2).reshape(b, 1, heads * head_dim))
+                out = v if cb == 0 else F.scaled_dot_product_attention(q, keys[:, :, :cb + 1], values[:, :, :cb + 1])
+                x = x + _linear(attn.out_projs[cb], out.transpose(1, 2).reshape(b, 1, heads * head_dim))
                 x = x + layer.gating[cb](layer.norm2(x))
-            logits = lm.linears[cb](lm.depformer_norms[cb](x))[:, 0]
-            token = sample(logits, smp.greedy, smp.temperature, smp.top_k, noise[:, cb], self.top_k_bound)
+            logits = _linear(lm.linears[cb], lm.depformer_norms[cb](x))[:, 0]
+            token = sample_audio(logits, noise[:, cb])
             tokens.append(token)
-            prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
+            if cb + 1 < steps:
+                prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
         return torch.cat([torch.stack(tokens, dim=1), forced[:, steps:]], dim=1)
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` without the module call's overhead."""
+    return F.linear(x, module.weight, module.bias)
 
 
 def _forced(inputs: StepInputs, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,13 +108,25 @@ def sample(
 ) -> torch.Tensor:
     """One token per row of logits [B, V]; every argument but the last is per row. `noise`:
     the row's channel of `exponential_noise`, at least min(max_top_k, V) columns."""
-    logits = logits.float()
-    argmax = logits.argmax(dim=-1)
-    k = min(max_top_k, logits.shape[-1])
-    top_logits, top_index = (logits / temperature[:, None]).topk(k, dim=-1)
-    probs = torch.softmax(top_logits, dim=-1)
-    ranks = torch.arange(k, device=logits.device)
-    probs = torch.where(ranks[None, :] < top_k[:, None], probs, torch.zeros_like(probs))
-    race = probs / noise[:, :k]
-    drawn = top_index.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
-    return torch.where(greedy, argmax, drawn)
+    return Sampler(greedy, temperature, top_k, max_top_k, logits.shape[-1])(logits, noise)
+
+
+class Sampler:
+    """`sample` over logits of `vocab` columns, for calls that share the rows' settings (a
+    step's codebooks): what depends on the settings alone is made once."""
+
+    def __init__(self, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, max_top_k: int,
+                 vocab: int):
+        self.k = min(max_top_k, vocab)
+        self.greedy = greedy
+        self.temperature = temperature[:, None]
+        self.kept = torch.arange(self.k, device=top_k.device)[None, :] < top_k[:, None]  # ranks within top_k
+
+    def __call__(self, logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        argmax = logits.argmax(dim=-1)
+        top_logits, top_index = (logits / self.temperature).topk(self.k, dim=-1)
+        probs = torch.where(self.kept, torch.softmax(top_logits, dim=-1), 0.0)
+        race = probs / noise[:, :self.k]
+        drawn = top_index.gather(-1, race.argmax(dim=-1, keepdim=True))[:, 0]
+        return torch.where(self.greedy, argmax, drawn)

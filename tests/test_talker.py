@@ -4,8 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from personaplex_triton import loaders
-from personaplex_triton.generation import StepInputs
+from conftest import greedy_tokens_of, tiny_moshi_lm
+from moshi.modules.transformer import RingKVCache
+
+from personaplex_triton import kv_cache, loaders
+from personaplex_triton.generation import FilledRingKVCache, SlotGenerator, StepInputs
 from personaplex_triton.mimi_runtime import open_step
 from personaplex_triton.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
 from personaplex_triton.sampling import SamplingParams, exponential_noise, sample, uniform
@@ -359,3 +362,31 @@ def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voic
     assert sorted(failed) == [0, 1] and list(batch) == [2]  # slot 2 stepped on
     for slot in (0, 1, 2):
         talker.stop(slot)
+
+
+def test_filled_ring_gives_moshis_tokens():
+    """On a CPU the step's attention reads the ring only up to the last entry written
+    (FilledRingKVCache). Greedy, fp32, a 24-frame context so the ring wraps, slots idling and
+    joining late: the same tokens as moshi's attention over the whole ring (the reference)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(loaders.CPU_TORCH_THREADS)  # as served; two threads crawl on a busy 2-core host
+    try:
+        lm = tiny_moshi_lm("cpu", torch.float32, context=24)
+        filled, moshi = greedy_tokens(lm, ring=True), greedy_tokens(lm, ring=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert sum(map(len, filled)) > 120
+    assert filled == moshi
+
+
+def greedy_tokens(lm, ring: bool) -> list:
+    """60 greedy steps of 4 slots on `lm`, two of them idling or joining late."""
+    gen = SlotGenerator(lm, 4, cuda_graphs=False, ring=ring)
+    caches = {type(a._streaming_state.kv_cache) for a in kv_cache.self_attentions(lm.transformer)}
+    assert caches == {FilledRingKVCache if ring else RingKVCache}
+    try:
+        for slot in range(4):
+            gen.start(slot, SamplingParams(greedy=True))
+        return greedy_tokens_of(gen, lambda i: [True, i % 3 != 0, i > 8, i > 30], 60)
+    finally:
+        gen.close()

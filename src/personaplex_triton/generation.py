@@ -27,6 +27,7 @@ import gc
 from dataclasses import dataclass
 
 import torch
+from moshi.modules.transformer import KVCacheResult, RingKVCache
 from moshi.utils.compile import CUDAGraphed
 from torch.nn import functional as F
 
@@ -72,7 +73,8 @@ class SlotGenerator:
 
     def __init__(self, lm, num_slots: int, cuda_graphs: bool = True, ring: bool = True,
                  kv_dtype: torch.dtype | None = None):
-        """`ring`: on CUDA, steps run the project's kernels, ring_attention.py and fused_ops.py
+        """`ring`: on CUDA, steps run the project's kernels, ring_attention.py and fused_ops.py;
+        on a CPU, attention reads the ring up to its last entry written (FilledRingKVCache)
         (else moshi's modules, the reference).
         `kv_dtype`: what the temporal transformer's KV cache stores (None: the model's dtype)."""
         self.lm = lm
@@ -98,6 +100,10 @@ class SlotGenerator:
         self._unembedded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
+        if ring and device.type == "cpu":
+            for attention in kv_cache.self_attentions(lm.transformer):
+                if type(attention._streaming_state.kv_cache) is RingKVCache:
+                    attention._streaming_state.kv_cache.__class__ = FilledRingKVCache
         self.states = SlotStates(lm.transformer, num_slots, self.buckets)
 
     def close(self) -> None:
@@ -318,6 +324,19 @@ class SlotGenerator:
             if cb + 1 < steps:
                 prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
         return torch.cat([torch.stack(tokens, dim=1), forced[:, steps:]], dim=1)
+
+
+class FilledRingKVCache(RingKVCache):
+    """moshi's ring KV cache, read up to the last entry any row has written: moshi's attention
+    then takes its mask and softmax over the entries the conversations have, where it read the
+    whole context (3000 frames: 12 MB of keys and values a step at the embedded default's
+    widths, on a CPU a tenth of the tick), whose unwritten entries its mask drops anyway. The
+    bound is read on the host, so it is for the CPU, not for a CUDA graph."""
+
+    def complete(self, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> KVCacheResult:
+        keys, values, positions = super().complete(k, v, exec_mask)
+        filled = min(int(self.end_offset.max()), self.capacity)  # past it, every row's entries are unwritten
+        return KVCacheResult(keys[:, :, :filled], values[:, :, :filled], positions[:, :filled])
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,5 @@
 """The request layer of the stages, without Triton: input checks and code2wav's state."""
 
-import os
 import re
 import threading
 
@@ -142,29 +141,3 @@ def test_code2wav_refuses_a_lost_frame_and_frees_on_a_close_marker(code2wav):
     out, error = decode(code2wav, 6, seam.CLOSE_ONLY, codes, final=True)
     assert out == [] and error is None
     assert not code2wav.engine.is_open(6)
-
-
-def _threads() -> set[int]:
-    return {int(tid) for tid in os.listdir("/proc/self/task")}
-
-
-def test_a_cpu_talker_encodes_below_the_other_threads_priority(tiny_checkpoint):
-    """The encode that follows a CPU tick's answer runs at ENCODE_NICE, on its thread and on
-    the threads ONNX Runtime started for the encoder; the engine and the sends do not."""
-    from personaplex_triton.serving import TalkerService
-    from personaplex_triton.talker import ENCODE_NICE
-
-    before = _threads()
-    service = TalkerService(str(tiny_checkpoint), 1, "cpu")
-    try:
-        started = _threads() - before
-        encode_thread = service.talker._encoder.submit(threading.get_native_id).result()
-        python_threads = {t.native_id for t in threading.enumerate()} & started
-        niceness = {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in started}
-        niced = {tid for tid in started if niceness[tid] == ENCODE_NICE}
-        assert encode_thread in niced
-        if len(os.sched_getaffinity(0)) > 1:  # ONNX Runtime runs a pool, made on the encode thread
-            assert niced - python_threads
-        assert {niceness[tid] for tid in python_threads - {encode_thread}} == {0}  # the engine, the sends
-    finally:
-        service.close()

@@ -169,24 +169,18 @@ class TalkerService:
         from . import kv_cache
         from .mimi_runtime import open_step
         from .persona import PersonaLibrary
-        from .talker import Talker, conversations_that_fit, low_priority_thread
+        from .talker import Talker, conversations_that_fit
 
         self.metrics = metrics or Metrics()
         use_device_threads(device)
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
         kv = kv_cache.resolve(kv_dtype, device, next(lm.parameters()).dtype)
-        if device.startswith("cuda"):
-            encode_thread = None
-            self.mimi = open_step("encoder", files, mimi_runtime, device)
-        else:  # the encode follows the answer at a lower priority, its ONNX Runtime pool made there too
-            encode_thread = low_priority_thread("talker-encode")
-            self.mimi = encode_thread.submit(open_step, "encoder", files, mimi_runtime, device).result()
+        self.mimi = open_step("encoder", files, mimi_runtime, device)
         tokenizer = loaders.get_tokenizer(files)
         self.slots, self.slots_why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
                                                lambda: conversations_that_fit(lm, self.mimi, kv))
-        self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size, kv_dtype=kv,
-                             encode_thread=encode_thread)
+        self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size, kv_dtype=kv)
         self.personas = PersonaLibrary(files, tokenizer)
         self.warm(warm_personas)
         self.talker.persona_cache.on_lookup = self.metrics.persona_cache_lookup  # after warming: clients' only

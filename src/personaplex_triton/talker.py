@@ -11,8 +11,6 @@ for the Mimi decoder.
 from __future__ import annotations
 
 import math
-import os
-import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,12 +26,6 @@ from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
 from .sampling import SamplingParams
-
-# Niceness of a CPU talker's Mimi encode. It runs after the tick has answered and need only be
-# done by the next tick (80 ms later at one conversation), while code2wav decodes that answer,
-# which the listener waits for; both ONNX Runtime pools want both cores, and at equal priority
-# each slowed the other. At 5 the kernel gives the decode about three times the encode's share.
-ENCODE_NICE = 5
 
 
 @dataclass
@@ -127,14 +119,13 @@ class PersonaCache:
 class Talker:
     def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
                  cuda_graphs: bool = True, ring_attention: bool = True, kv_dtype: torch.dtype | None = None,
-                 encode_after: bool = True, encode_thread: ThreadPoolExecutor | None = None):
+                 encode_after: bool = True):
         """`encode_after`: a tick answers before it Mimi-encodes its user frames, which it does
         on a thread of its own while the answers leave and the decoder runs; the next tick waits
         for those codes. A step's samples do not depend on its own frame's codes (its input is
         the previous position; the depformer skips the user's codebooks), only the next step's
         do, so the tokens are the same and the encode (about a fifth of a CPU frame, 2.5 to 6 ms
-        of an H200's tick) leaves each frame's latency. `encode_thread`: that thread (default: a
-        new one; the server gives a CPU talker a `low_priority_thread`)."""
+        of an H200's tick) leaves each frame's latency."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
@@ -144,9 +135,7 @@ class Talker:
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)
         self._vocab = tokenizer.get_piece_size()
-        if encode_after and encode_thread is None:
-            encode_thread = ThreadPoolExecutor(1, thread_name_prefix="talker-encode")
-        self._encoder = encode_thread if encode_after else None
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="talker-encode") if encode_after else None
         self._encoding = None  # the last tick's encode: (future of its codes, slots, positions)
         self._unencoded: dict[int, str] = {}  # slot -> why its last frame has no user codes
 
@@ -243,25 +232,11 @@ class Talker:
                                                           unforced, idle, unforced)), user_later=later)
         positions = self.generator.grid.offset[slots].clone() if later else None  # before the step moves them
         tokens, has_output, _ = self.generator.step(inputs)
-        tokens, has_output = tokens.cpu().numpy(), has_output.cpu().numpy()
-        answers = {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
-                   for s in user_frames if has_output[s]}
-        if later:  # once the answers are out of the step: the encode takes both cores while it runs
+        if later:
             self._encoding = (self._encoder.submit(self.mimi.encode, user_frames), slots, positions)
-        return answers
-
-
-def low_priority_thread(name: str) -> ThreadPoolExecutor:
-    """One worker thread at a lower CPU priority (ENCODE_NICE: why); the threads it
-    starts inherit that priority, so an ONNX Runtime session created on it runs its whole pool
-    there."""
-    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_lower_priority)
-
-
-def _lower_priority() -> None:
-    # On Linux a thread id names one thread; a niceness can rise, not fall, without privileges.
-    thread = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, thread, max(os.getpriority(os.PRIO_PROCESS, thread), ENCODE_NICE))
+        tokens, has_output = tokens.cpu().numpy(), has_output.cpu().numpy()
+        return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
+                for s in user_frames if has_output[s]}
 
 
 def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:

@@ -232,11 +232,12 @@ class Talker:
                                                           unforced, idle, unforced)), user_later=later)
         positions = self.generator.grid.offset[slots].clone() if later else None  # before the step moves them
         tokens, has_output, _ = self.generator.step(inputs)
-        if later:
-            self._encoding = (self._encoder.submit(self.mimi.encode, user_frames), slots, positions)
         tokens, has_output = tokens.cpu().numpy(), has_output.cpu().numpy()
-        return {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
-                for s in user_frames if has_output[s]}
+        answers = {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
+                   for s in user_frames if has_output[s]}
+        if later:  # once the answers are out of the step: on a CPU the encode takes both cores
+            self._encoding = (self._encoder.submit(self.mimi.encode, user_frames), slots, positions)
+        return answers
 
 
 def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:

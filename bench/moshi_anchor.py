@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+
+from bench.gpu_step import timed
 
 
 def step_ms(lm, batch: int, steps: int) -> float:
@@ -26,16 +26,7 @@ def step_ms(lm, batch: int, steps: int) -> float:
     gen = LMGen(lm, temp=0.8, temp_text=0.7, top_k=250, top_k_text=25)
     codes = torch.zeros(batch, lm.num_codebooks - lm.dep_q - 1, 1, dtype=torch.long, device=lm.device)
     with gen.streaming(batch):
-        for _ in range(5):  # warm-up and CUDA-graph capture
-            gen.step(codes)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            gen.step(codes)
-            torch.cuda.synchronize()
-            times.append(1000 * (time.perf_counter() - start))
-    return round(statistics.median(times), 2)
+        return timed(lambda: gen.step(codes), steps)  # its first calls warm up and capture
 
 
 def main(argv=None) -> int:

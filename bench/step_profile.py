@@ -14,16 +14,14 @@ The first two write step_profile-LABEL.json; --compare writes step_profile.{md,p
 import argparse
 import json
 import platform
-import statistics
 import subprocess
-import time
 from collections import defaultdict
 from datetime import date
 from pathlib import Path
 
 import torch
 
-from bench.gpu_step import age
+from bench.gpu_step import age, timed
 
 PROFILED_STEPS = 3
 
@@ -35,19 +33,6 @@ def step_inputs(b: int):
     zeros = torch.zeros(b, 8, dtype=torch.long, device="cuda")
     return StepInputs(torch.ones(b, dtype=torch.bool, device="cuda"), torch.randint(0, 2048, (b, 8), device="cuda"),
                       zeros, none, torch.zeros(b, dtype=torch.long, device="cuda"), none)
-
-
-def graphed_ms(generator, inputs, steps: int) -> float:
-    for _ in range(3):  # the bucket's capture, then warm
-        generator.step(inputs)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        generator.step(inputs)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1000)
-    return round(statistics.median(times), 2)
 
 
 def kernels(generator, inputs) -> dict:
@@ -87,7 +72,10 @@ def profile_tree(args) -> dict:
     for slot in range(generator.num_slots):
         generator.start(slot, SamplingParams(seed=slot))
     age(generator, args.fill)
-    rows = [{"slots": b, "graphed_ms": graphed_ms(generator, step_inputs(b), args.steps)} for b in args.slots]
+    rows = []
+    for b in args.slots:
+        inputs = step_inputs(b)
+        rows.append({"slots": b, "graphed_ms": timed(lambda: generator.step(inputs), args.steps)})
     generator.cuda_graphs = False  # the same step's kernels, launched one by one for the profiler
     generator._graphs.clear()
     for row in rows:

@@ -105,15 +105,14 @@ class TritonMetrics(Metrics):
     def _report(self) -> None:
         while (taken := self._updates.take()) is not None:
             counts, gauges, observed = taken
-            try:
-                for key, value in counts.items():
-                    self._metric(key).increment(value)
-                for key, value in gauges.items():
-                    self._metric(key).set(value)
-                for key, value in observed:
-                    self._metric(key).observe(value)
-            except Exception as exc:  # a metric must never take serving down
-                log_info(f"{self.model}: reporting metrics failed: {exc}")
+            updates = [*((key, "increment", v) for key, v in counts.items()),
+                       *((key, "set", v) for key, v in gauges.items()),
+                       *((key, "observe", v) for key, v in observed)]
+            for key, how, value in updates:
+                try:  # each on its own: one that fails does not drop the rest of the batch
+                    getattr(self._metric(key), how)(value)
+                except Exception as exc:  # a metric must never take serving down
+                    log_info(f"{self.model}: reporting {key[0]} failed: {exc}")
 
     def conversations(self, active: int, prefilling: int) -> None:
         self._updates.set(("personaplex_conversations_active", ()), active)

@@ -70,7 +70,10 @@ class TickClock:
         generator = self.talker.generator
         self._wrap(lm.transformer, "forward", "temporal transformer")
         self._wrap(lm.text_linear, "forward", "text head")
-        self._wrap(generator, "_depformer", "depformer")
+        if hasattr(generator, "model_step"):
+            self._wrap(generator.model_step, "depformer", "depformer")
+        else:  # a --base tree from before model_step.py
+            self._wrap(generator, "_depformer", "depformer")
 
     def _wrap(self, owner, attribute: str, part: str) -> None:
         inner = getattr(owner, attribute)

@@ -60,10 +60,10 @@ def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
                   for model, options in ((lm, reference), (twin, candidate))]
     samples = [None, None]
     for i, generator in enumerate(generators):
-        def recorded(*args, i=i, model_step=generator._model_step):
+        def recorded(*args, i=i, model_step=generator.model_step):
             samples[i] = model_step(*args)
             return samples[i]
-        generator._model_step = recorded
+        generator.model_step = recorded
         generator.start(0, SamplingParams(greedy=True))
     codes = torch.Generator().manual_seed(0)
     equal = total = 0

@@ -8,7 +8,8 @@ from conftest import greedy_tokens_of, tiny_moshi_lm
 from moshi.modules.transformer import RingKVCache
 
 from personaplex_triton import kv_cache, loaders
-from personaplex_triton.generation import FilledRingKVCache, SlotGenerator, StepInputs
+from personaplex_triton.generation import SlotGenerator, StepInputs
+from personaplex_triton.kv_cache import FilledRingKVCache
 from personaplex_triton.mimi_runtime import open_step
 from personaplex_triton.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
 from personaplex_triton.sampling import SamplingParams, exponential_noise, sample, uniform
@@ -275,7 +276,7 @@ def moshi_depformer(generator):
     moshi's `LMModel.forward_depformer`, one codebook a call, in a fresh `depformer.streaming`."""
     lm = generator.lm
 
-    def depformer(transformer_out, first_input, forced, forced_mask, noise):
+    def depformer(transformer_out, first_input, forced, forced_mask, noise, top_k_bound):
         smp = generator.sampling.rows(first_input.shape[0])
         tokens, prev = [], first_input
         with lm.depformer.streaming(first_input.shape[0]):
@@ -283,7 +284,7 @@ def moshi_depformer(generator):
                 logits = lm.forward_depformer(cb, prev[:, None, None], transformer_out)[:, 0, 0]
                 if cb < NUM_AUDIO:
                     tokens.append(sample(logits, smp.greedy, smp.temperature, smp.top_k, noise[:, cb],
-                                         generator.top_k_bound))
+                                         top_k_bound))
                 else:  # the user's codebooks: their samples give way to the user's codes
                     tokens.append(logits.argmax(dim=-1))
                 prev = torch.where(forced_mask[:, cb], forced[:, cb], tokens[-1])
@@ -303,7 +304,7 @@ def test_depformer_equals_moshis(talker, wav_voice, user_frames, monkeypatch):
                 for params in (dict(greedy=True), dict(seed=8))]
 
     ours = conversations()
-    monkeypatch.setattr(talker.generator, "_depformer", moshi_depformer(talker.generator))
+    monkeypatch.setattr(talker.generator.model_step, "depformer", moshi_depformer(talker.generator))
     assert conversations() == ours
 
 

@@ -2,11 +2,11 @@
 
 PyPI moshi's `LMGen` cannot run PersonaPlex (with 16 depformer codebooks it ignores the user's
 audio and it cannot force prompt tokens), so this module keeps PersonaPlex's own token grid
-(token_grid.py). A call at position `o` writes the forced tokens, runs the temporal transformer
-on the tokens of position `o - 1`, samples the text token and the 16 depformer codebooks of
-position `o` (forced ones replace the samples as depformer inputs) and, once past the delays,
-returns a position with every stream aligned: text, agent cb0..7 (ready for the Mimi decoder)
-and the user's echo.
+(token_grid.py). A call at position `o` writes the forced tokens, runs the model on the tokens
+of position `o - 1` (model_step.py: the temporal transformer, then the text token and the
+agent's 8 depformer codebooks of position `o`, forced ones replacing the samples as depformer
+inputs) and, once past the delays, returns a position with every stream aligned: text, agent
+cb0..7 (ready for the Mimi decoder) and the user's echo.
 
 Every slot keeps its own position, so slots join, idle and leave independently: rows outside
 `active` are left untouched (moshi's exec mask keeps their transformer state).
@@ -27,12 +27,11 @@ import gc
 from dataclasses import dataclass
 
 import torch
-from moshi.modules.transformer import KVCacheResult, RingKVCache
 from moshi.utils.compile import CUDAGraphed
-from torch.nn import functional as F
 
 from . import fused_ops, kv_cache, loaders, ring_attention
-from .sampling import Sampler, SamplingParams, SlotSampling, exponential_noise, sample
+from .model_step import ModelStep
+from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
 from .token_grid import NUM_AUDIO, TokenGrid
 PREFILL_CHUNK = 256  # prefill positions per transformer pass
@@ -74,7 +73,7 @@ class SlotGenerator:
     def __init__(self, lm, num_slots: int, cuda_graphs: bool = True, ring: bool = True,
                  kv_dtype: torch.dtype | None = None):
         """`ring`: on CUDA, steps run the project's kernels, ring_attention.py and fused_ops.py;
-        on a CPU, attention reads the ring up to its last entry written (FilledRingKVCache)
+        on a CPU, attention reads the ring up to its last entry written (kv_cache.FilledRingKVCache)
         (else moshi's modules, the reference).
         `kv_dtype`: what the temporal transformer's KV cache stores (None: the model's dtype)."""
         self.lm = lm
@@ -83,6 +82,7 @@ class SlotGenerator:
         self.device = device
         self.grid = TokenGrid(num_slots, lm.delays, lm._get_initial_token()[0, :, 0], lm.ungenerated_token_id, device)
         self.sampling = SlotSampling(num_slots, device)
+        self.model_step = ModelStep(lm, self.sampling)
         self.top_k_bound = loaders.TOP_K_BUCKETS[0]
         self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
         self.buckets = batch_buckets(num_slots)
@@ -101,9 +101,7 @@ class SlotGenerator:
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
         if ring and device.type == "cpu":
-            for attention in kv_cache.self_attentions(lm.transformer):
-                if type(attention._streaming_state.kv_cache) is RingKVCache:
-                    attention._streaming_state.kv_cache.__class__ = FilledRingKVCache
+            kv_cache.read_filled(lm.transformer)
         self.states = SlotStates(lm.transformer, num_slots, self.buckets)
 
     def close(self) -> None:
@@ -234,7 +232,7 @@ class SlotGenerator:
         o, previous, target, target_provided = self.grid.read(rows, active, forced, is_forced)
         emb = self.embed(previous)
         emb = torch.where(embed_rows[:, None, None], embeddings.to(emb), emb)
-        sampled = self._model_step(emb, target, target_provided, o)
+        sampled = self.model_step(emb, target, target_provided, o, self.top_k_text_bound, self.top_k_bound)
         tokens, has_output = self.grid.write(rows, o, active, sampled, target_provided)
         return tokens, has_output, emb
 
@@ -266,82 +264,6 @@ class SlotGenerator:
                 gc.collect()
             self._graphs[key] = CUDAGraphed(self._step, disable=not self.cuda_graphs)
         return self._graphs[key]
-
-    def _model_step(self, emb, target, target_provided, step):
-        """Temporal transformer on the input embeddings [S, 1, dim], then the text token and
-        the 16 depformer codebooks: [S, 17] sampled tokens of position `step`."""
-        lm, smp = self.lm, self.sampling.rows(emb.shape[0])
-        # channels: the text token and the agent's codebooks, the only ones sampled (a channel's
-        # draws do not depend on how many are drawn)
-        noise = exponential_noise(smp.seed, step, 1 + NUM_AUDIO, max(self.top_k_text_bound, self.top_k_bound))
-        transformer_out = lm.transformer(emb)
-        if lm.out_norm:
-            transformer_out = lm.out_norm(transformer_out)
-        text_logits = lm.text_linear(transformer_out)[:, 0]
-        text = sample(text_logits, smp.greedy, smp.temperature_text, smp.top_k_text, noise[:, 0],
-                      self.top_k_text_bound)
-        first = torch.where(target_provided[:, 0], target[:, 0], text)
-        audio = self._depformer(transformer_out, first, target[:, 1:], target_provided[:, 1:], noise[:, 1:])
-        return torch.cat([text[:, None], audio], dim=1)
-
-    def _depformer(self, transformer_out, first_input, forced, forced_mask, noise):
-        """The depformer over the 16 codebooks of one position, on moshi's modules and weights
-        (`LMModel.forward_depformer` in a fresh `depformer.streaming`), with its streaming
-        bookkeeping written out: each layer's keys and values of the codebooks so far sit in
-        one buffer that attention reads up to the current codebook, where moshi keeps a ring
-        KV cache, per-row offsets and a mask for each layer and call (most of a CPU step's
-        time at small widths). The projections are called as `F.linear` on their modules'
-        weights, and the first codebook's attention, over its one key, is its value (a
-        softmax of one score is exactly 1): on a CPU every op's dispatch counts.
-
-        Only the agent's codebooks run: the user's audio is forced at every step (or written
-        right after it, `force_user`), so the samples of the last NUM_AUDIO codebooks would be
-        replaced by the user's codes, and no earlier codebook attends to them. Their columns
-        hold the forced codes."""
-        lm, smp = self.lm, self.sampling.rows(first_input.shape[0])
-        b, steps = first_input.shape[0], lm.dep_q - NUM_AUDIO
-        layers = lm.depformer.layers
-        heads = layers[0].self_attn.num_heads
-        head_dim = layers[0].self_attn.embed_dim // heads
-        kv = transformer_out.new_empty((len(layers), 2, b, heads, steps, head_dim))
-        sample_audio = Sampler(smp.greedy, smp.temperature, smp.top_k, self.top_k_bound, lm.card)
-        tokens = []
-        prev = first_input
-        for cb in range(steps):
-            token_emb = lm.depformer_text_emb if cb == 0 else lm.depformer_emb[cb - 1]
-            x = _linear(lm.depformer_in[cb], transformer_out) + token_emb(prev[:, None])
-            for layer, (keys, values) in zip(layers, kv):
-                attn = layer.self_attn
-                q, k, v = _linear(attn.in_projs[cb], layer.norm1(x)).view(b, 1, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-                keys[:, :, cb:cb + 1] = k
-                values[:, :, cb:cb + 1] = v
-                out = v if cb == 0 else F.scaled_dot_product_attention(q, keys[:, :, :cb + 1], values[:, :, :cb + 1])
-                x = x + _linear(attn.out_projs[cb], out.transpose(1, 2).reshape(b, 1, heads * head_dim))
-                x = x + layer.gating[cb](layer.norm2(x))
-            logits = _linear(lm.linears[cb], lm.depformer_norms[cb](x))[:, 0]
-            token = sample_audio(logits, noise[:, cb])
-            tokens.append(token)
-            if cb + 1 < steps:
-                prev = torch.where(forced_mask[:, cb], forced[:, cb], token)
-        return torch.cat([torch.stack(tokens, dim=1), forced[:, steps:]], dim=1)
-
-
-class FilledRingKVCache(RingKVCache):
-    """moshi's ring KV cache, read up to the last entry any row has written: moshi's attention
-    then takes its mask and softmax over the entries the conversations have, where it read the
-    whole context (3000 frames: 12 MB of keys and values a step at the embedded default's
-    widths, on a CPU a tenth of the tick), whose unwritten entries its mask drops anyway. The
-    bound is read on the host, so it is for the CPU, not for a CUDA graph."""
-
-    def complete(self, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> KVCacheResult:
-        keys, values, positions = super().complete(k, v, exec_mask)
-        filled = min(int(self.end_offset.max()), self.capacity)  # past it, every row's entries are unwritten
-        return KVCacheResult(keys[:, :, :filled], values[:, :, :filled], positions[:, :filled])
-
-
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` without the module call's overhead."""
-    return F.linear(x, module.weight, module.bias)
 
 
 def _forced(inputs: StepInputs, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,6 +88,27 @@ def _init_state(self, batch_size: int, dtype: torch.dtype) -> _MHAState:
                      offset=torch.zeros(batch_size, device=weight.device, dtype=torch.long), offset_cpu=0)
 
 
+class FilledRingKVCache(RingKVCache):
+    """moshi's ring KV cache, read up to the last entry any row has written: moshi's attention
+    then takes its mask and softmax over the entries the conversations have, where it read the
+    whole context (3000 frames: 12 MB of keys and values a step at the embedded default's
+    widths, on a CPU a tenth of the tick), whose unwritten entries its mask drops anyway. The
+    bound is read on the host, so it is for the CPU, not for a CUDA graph."""
+
+    def complete(self, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> KVCacheResult:
+        keys, values, positions = super().complete(k, v, exec_mask)
+        filled = min(int(self.end_offset.max()), self.capacity)  # past it, every row's entries are unwritten
+        return KVCacheResult(keys[:, :, :filled], values[:, :, :filled], positions[:, :filled])
+
+
+def read_filled(transformer) -> None:
+    """The streaming `transformer`'s moshi ring caches read only their filled entries
+    (FilledRingKVCache), for moshi's attention on a CPU."""
+    for attention in self_attentions(transformer):
+        if type(attention._streaming_state.kv_cache) is RingKVCache:
+            attention._streaming_state.kv_cache.__class__ = FilledRingKVCache
+
+
 def store_in(transformer, dtype: torch.dtype) -> None:
     """The KV caches of `transformer`'s next `streaming()` hold `dtype` (the model's: moshi's own)."""
     for attention in self_attentions(transformer):

@@ -1,10 +1,11 @@
-"""The temporal transformer's KV cache: its storage dtype and the one-frame step's write.
+"""The temporal transformer's KV cache: its storage dtype, and how moshi's attention reads it.
 
 moshi keeps each self-attention layer's keys and values in a `RingKVCache` of the model's dtype:
 at the 7B's 3000-frame context about 1.5 GB a conversation in bf16, which bounds how many
 conversations fit and is what a step reads. `kv_dtype` float8_e4m3fn stores them in half the
 bytes; the ring attention kernel loads fp8 and upcasts, and moshi's attention (the prefill's
-chunks, any step without the kernel) gets the ring upcast (`CastRingKVCache`).
+chunks, any step without the kernel) gets the ring upcast (`CastRingKVCache`). On a CPU moshi's
+attention reads a ring only up to its last entry written (`FilledRingKVCache`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -137,12 +136,7 @@ def main(argv=None) -> int:
               "trees": {label: {"median_ms": summary(c.ticks), "ticks": c.ticks} for label, c in clocks.items()}}
     for clock in clocks.values():
         clock.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{started:%Y-%m-%d}-{args.name}"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"{stem}.md").write_text(markdown(result, f"{stem}.png"))
-    plot(result, args.out / f"{stem}.png")
-    print((args.out / f"{stem}.md").read_text())
+    report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
 
 

@@ -3,6 +3,7 @@ its results as a Markdown table file, JSON and PNG plots."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -100,6 +101,17 @@ def git_commit() -> str:
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def save(result: dict, out: Path, stem: str, markdown, plot) -> None:
+    """A run's result as out/stem.json, its table `markdown(result, plot's file name)` as
+    out/stem.md (printed too) and `plot(result, path)` as out/stem.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result, f"{stem}.png")
+    (out / f"{stem}.md").write_text(text)
+    plot(result, out / f"{stem}.png")
+    print(text)
 
 
 # ----------------------------------------------------------------------------- Markdown

@@ -67,12 +67,7 @@ def main(argv=None) -> int:
               "note": args.note, "conversations": args.conversations, "seconds": args.seconds,
               "servers": servers, "runs": runs, "summary": {label: summary([r for r in runs if r["server"] == label])
                                                             for label in servers}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{started:%Y-%m-%d}-{args.name}-runs"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"{stem}.md").write_text(markdown(result, f"{stem}.png"))
-    plot(result, args.out / f"{stem}.png")
-    print((args.out / f"{stem}.md").read_text())
+    report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}-runs", markdown, plot)
     return 0
 
 
@@ -87,7 +82,7 @@ def markdown(result: dict, plot_name: str) -> str:
              f"{m['cpu']}, {m['cores']} cores)", "",
              f"- Command: `{result['command']}`",
              f"- Commit {result['commit']} (the bench), started {result['started']} UTC",
-             f"- Servers: " + ", ".join(f"{label} at {url}" for label, url in result["servers"].items())
+             "- Servers: " + ", ".join(f"{label} at {url}" for label, url in result["servers"].items())
              + (f"; {result['note']}" if result["note"] else ""),
              f"- Each run: `bench.run --stages load --conversations {result['conversations']} --seconds "
              f"{result['seconds']:g}` (one frame every 80 ms); the servers take turns. Real time: p99 under 80 ms "

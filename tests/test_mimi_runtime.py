@@ -49,6 +49,16 @@ def test_auto_runs_onnxruntime_on_the_cpu_and_says_why_not_tensorrt(files):
     assert "tensorrt: it needs a CUDA device" in runner.describe()
 
 
+def test_onnxruntime_threads(files):
+    """One intra-op thread when asked (the talker's encoder: it computes on its caller's
+    thread), else every core."""
+    import os
+
+    one = open_step("encoder", files, "onnxruntime", threads=1).session.get_session_options()
+    every = open_step("encoder", files, "onnxruntime").session.get_session_options()
+    assert (one.intra_op_num_threads, every.intra_op_num_threads) == (1, len(os.sched_getaffinity(0)))
+
+
 def test_forced_runtimes(files):
     assert open_step("encoder", files, "torch").runtime == "torch"
     with pytest.raises(RuntimeUnavailable, match="CUDA device"):

@@ -365,6 +365,21 @@ def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voic
         talker.stop(slot)
 
 
+def test_the_encode_after_the_answer_yields_the_cpu(talker, wav_voice, user_frames):
+    """On a CPU the background encode runs at nice 19, the thread that ticks does not: the
+    decode and the next tick get the cores first."""
+    import os
+    import threading
+
+    talker.start(0, setup(wav_voice))
+    talker.tick({0: user_frames[0]})
+    talker.settle()
+    talker.stop(0)
+    encoders = [t for t in threading.enumerate() if t.name.startswith("talker-encode")]
+    assert encoders and all(os.getpriority(os.PRIO_PROCESS, t.native_id) == 19 for t in encoders)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
+
+
 def test_filled_ring_gives_moshis_tokens():
     """On a CPU the step's attention reads the ring only up to the last entry written
     (FilledRingKVCache). Greedy, fp32, a 24-frame context so the ring wraps, slots idling and

@@ -97,6 +97,11 @@ GPU_RESERVED_BYTES = 8 << 30
 # took 4-6x as long with 2 threads as with 1. ONNX Runtime's Mimi steps take every core the
 # process may run on (`os.sched_getaffinity`), its idle threads sleeping rather than spinning.
 CPU_TORCH_THREADS = 1
+# The talker's Mimi encoder on ONNX Runtime computes on its own low-priority thread (Talker's
+# encode_after), one core: it has a whole frame to finish, and it must not take the cores the
+# decoder and the next tick need at once (at two threads beside the decoder, the decode took
+# twice its time).
+CPU_ENCODER_THREADS = 1
 
 # Token ids and prefill constants (NVIDIA/personaplex, moshi/models/lm.py).
 TEXT_PROMPT_PAD = 3          # text token forced while the voice prompt and silences play

@@ -121,11 +121,13 @@ class TorchStepRunner(StepRunner):
 class OnnxRuntimeRunner(StepRunner):
     """On the CPU: torch tensors in and out share memory with the arrays ONNX Runtime sees."""
 
-    def __init__(self, stage: str, path: Path, specs, skipped=()):
+    def __init__(self, stage: str, path: Path, specs, skipped=(), threads: int | None = None):
+        """`threads`: ONNX Runtime's intra-op threads (default: every core). With one, a run
+        computes on the calling thread, so that thread's scheduling priority is the run's."""
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = len(os.sched_getaffinity(0))
+        options.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
         # Idle threads sleep rather than spin: both stages and the LM share the same cores.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -194,10 +196,12 @@ def _why_not(runtime: str, stage: str, mimi_weights: Path, device: torch.device,
     return None
 
 
-def open_step(stage: str, files, runtime: str = "auto", device: str = "cpu") -> StepRunner:
+def open_step(stage: str, files, runtime: str = "auto", device: str = "cpu",
+              threads: int | None = None) -> StepRunner:
     """A runner of Mimi's `stage` ("encoder" or "decoder") for a checkpoint's Mimi (`files`:
     loaders.CheckpointFiles): the first runtime available in RUNTIMES' order, or the one
-    forced (RuntimeUnavailable if it cannot run)."""
+    forced (RuntimeUnavailable if it cannot run). `threads`: ONNX Runtime's intra-op threads
+    (default: every core)."""
     from . import loaders
 
     if stage not in STEPS:
@@ -218,7 +222,7 @@ def open_step(stage: str, files, runtime: str = "auto", device: str = "cpu") -> 
             return TorchStepRunner(stage, loaders.get_mimi(files, device), skipped)
         if candidate == "onnxruntime":
             path = onnx_path(mimi_weights, stage)
-            return OnnxRuntimeRunner(stage, path, _state_specs(read_metadata(path)), skipped)
+            return OnnxRuntimeRunner(stage, path, _state_specs(read_metadata(path)), skipped, threads)
         path = plan_path(mimi_weights, stage)
         try:
             return TensorRTRunner(stage, path, _state_specs(read_metadata(path)), device, skipped)

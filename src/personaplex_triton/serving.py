@@ -176,7 +176,7 @@ class TalkerService:
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
         kv = kv_cache.resolve(kv_dtype, device, next(lm.parameters()).dtype)
-        self.mimi = open_step("encoder", files, mimi_runtime, device)
+        self.mimi = open_step("encoder", files, mimi_runtime, device, threads=loaders.CPU_ENCODER_THREADS)
         tokenizer = loaders.get_tokenizer(files)
         self.slots, self.slots_why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
                                                lambda: conversations_that_fit(lm, self.mimi, kv))

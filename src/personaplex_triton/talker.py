@@ -11,6 +11,8 @@ for the Mimi decoder.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -135,7 +137,9 @@ class Talker:
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)
         self._vocab = tokenizer.get_piece_size()
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="talker-encode") if encode_after else None
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="talker-encode",
+                                           initializer=_yield_cpu if self.device.type == "cpu" else None) \
+            if encode_after else None
         self._encoding = None  # the last tick's encode: (future of its codes, slots, positions)
         self._unencoded: dict[int, str] = {}  # slot -> why its last frame has no user codes
 
@@ -238,6 +242,14 @@ class Talker:
         if later:  # once the answers are out of the step: on a CPU the encode takes both cores
             self._encoding = (self._encoder.submit(self.mimi.encode, user_frames), slots, positions)
         return answers
+
+
+def _yield_cpu() -> None:
+    """The calling thread runs at the lowest priority (nice 19). On a CPU the encode has a whole
+    frame (80 ms) before the next tick needs its codes, while the decode of the frame just
+    answered, and the next tick once its frame comes, are each a frame's latency: they get the
+    cores first and the encode what they leave."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:

@@ -9,32 +9,32 @@ from personaplex_triton.engine import ConversationError, SlotEngine
 
 
 class CountingStage:
-    """Each slot answers item x with (x, how many items the slot has seen, batch size).
-    A setup of "prefill:N" makes the slot tick N times without items first."""
+    """Each slot answers item x with (x, how many items the slot has seen). A start with the
+    setup "held" lasts until `release` is set (`holding` says one has begun), as the talker's
+    start lasts its persona's prefill: what is submitted meanwhile queues up. Each tick sleeps
+    `tick_s`, so that a request of many items stays pending a while."""
 
-    def __init__(self, num_slots):
+    def __init__(self, num_slots, tick_s=0.0):
         self.num_slots = num_slots
+        self.tick_s = tick_s
         self.seen = [0] * num_slots
-        self.prefill = [0] * num_slots
         self.fail_on = None
         self.batch_sizes = []
+        self.holding, self.release = threading.Event(), threading.Event()
 
     def start(self, slot, setup):
         if setup == "bad":
             raise ValueError("bad setup")
         self.seen[slot] = 0
-        self.prefill[slot] = int(setup.split(":")[1]) if setup and setup.startswith("prefill:") else 0
+        if setup == "held":
+            self.holding.set()
+            self.release.wait(30)
 
     def stop(self, slot):
-        self.prefill[slot] = 0
-
-    def prefilling(self, slot):
-        return self.prefill[slot] > 0
+        pass
 
     def tick(self, items):
-        for slot in range(self.num_slots):
-            if self.prefill[slot] > 0:
-                self.prefill[slot] -= 1
+        time.sleep(self.tick_s)
         if self.fail_on is not None and self.fail_on in items.values():
             raise RuntimeError("boom")
         self.batch_sizes.append(len(items))
@@ -71,6 +71,12 @@ def engine():
     engine.shutdown()
 
 
+def hold_start(engine, key):
+    """Open conversation `key` with a "held" start and wait until the engine is in it."""
+    engine.open(key, "held")
+    assert engine.stage.holding.wait(10)
+
+
 def run(engine, key, items, close=False):
     c = Collector()
     engine.submit(key, items, c.on_output, c.on_done, close=close)
@@ -90,21 +96,15 @@ def test_items_answered_once_each_in_order(engine):
 
 
 def test_conversations_share_ticks(engine):
-    engine.open(1, "prefill:3")  # gives the other conversation time to queue up too
-    engine.open(2, "prefill:3")
+    engine.open(1, None)
+    hold_start(engine, 2)  # both conversations queue up meanwhile
     a, b = Collector(), Collector()
     engine.submit(1, list(range(20)), a.on_output, a.on_done)
     engine.submit(2, list(range(20)), b.on_output, b.on_done)
+    engine.stage.release.set()
     a.wait(), b.wait()
     assert [x for x, _ in a.outputs] == list(range(20)) == [x for x, _ in b.outputs]
-    assert max(engine.stage.batch_sizes) == 2
-
-
-def test_prefill_ticks_before_items(engine):
-    engine.open(1, "prefill:4")
-    c = run(engine, 1, ["a"])
-    assert c.outputs == [("a", 1)]
-    assert engine.stage.prefill[0] == 0 and engine.stage.prefill[1] == 0
+    assert engine.stage.batch_sizes == [2] * 20
 
 
 def test_slot_limit_and_release(engine):
@@ -250,12 +250,13 @@ def test_fault_naming_a_slot_ends_that_conversation_only():
     stage = FaultyStage(2)
     engine = SlotEngine(stage, metrics=(metrics := RecordingMetrics()))
     try:
-        engine.open(1, "prefill:3")
-        engine.open(2, "prefill:3")
+        engine.open(1, None)
+        hold_start(engine, 2)  # both conversations' first items step in one tick
         stage.faults = [SlotFault(0, "bad row")]  # slot 0 is conversation 1's
         a, b = Collector(), Collector()
         engine.submit(1, ["a"], a.on_output, a.on_done)
         engine.submit(2, ["b1", "b2"], b.on_output, b.on_done)
+        stage.release.set()
         a.wait(), b.wait()
         assert "internal error while stepping this conversation: bad row" in a.errors[0]
         assert [x for x, _ in b.outputs] == ["b1", "b2"] and b.errors == [None]
@@ -282,10 +283,15 @@ def test_tick_failing_twice_ends_its_conversations_and_the_engine_goes_on():
     try:
         stage.faults = [RuntimeError("down"), RuntimeError("still down")]
         engine.open(1, None)
-        engine.open(2, "prefill:1000000")  # prefilling: in every tick, though it sends nothing yet
-        c = run(engine, 1, ["x"])
-        assert "internal error while stepping: still down" in c.errors[0]
-        assert not engine.is_open(1) and not engine.is_open(2)  # the prefilling one too: not ticked forever
+        hold_start(engine, 2)  # both conversations' items step in the failing tick
+        a, b = Collector(), Collector()
+        engine.submit(1, ["x"], a.on_output, a.on_done)
+        engine.submit(2, ["y"], b.on_output, b.on_done)
+        stage.release.set()
+        a.wait(), b.wait()
+        for c in (a, b):
+            assert c.outputs == [] and "internal error while stepping: still down" in c.errors[0]
+        assert not engine.is_open(1) and not engine.is_open(2)
         engine.open(3, None)
         assert run(engine, 3, ["z"]).outputs == [("z", 1)]
     finally:
@@ -293,13 +299,14 @@ def test_tick_failing_twice_ends_its_conversations_and_the_engine_goes_on():
 
 
 def test_engine_that_cannot_go_on_errors_everything_and_says_so():
-    stage = CountingStage(2)
+    stage = CountingStage(2, tick_s=0.01)
     metrics = RecordingMetrics()
     engine = SlotEngine(stage, metrics=metrics)
-    engine.open(1, "prefill:1000000")
+    engine.open(1, None)
     c = Collector()
-    engine.submit(1, ["x"], c.on_output, c.on_done)
-    stage.prefilling = None  # the loop itself breaks (not a tick): TypeError on its next pass
+    engine.submit(1, list(range(1000)), c.on_output, c.on_done)  # 10 s of ticks
+    metrics.conversations = None  # the loop itself breaks (not a tick): TypeError as it counts the next start
+    engine.open(2, None)
     c.wait()
     assert "the engine engine stopped" in c.errors[0]
     assert not engine.healthy and metrics.up[-1] is False
@@ -343,11 +350,12 @@ def test_idle_conversation_closed_after_timeout():
 
 
 def test_cancelled_request_frees_its_slot():
-    engine = SlotEngine(CountingStage(1))
+    engine = SlotEngine(CountingStage(1, tick_s=0.01))
     try:
-        engine.open(1, "prefill:1000000")  # never answers on its own
+        engine.open(1, None)
         c, cancelled = Collector(), threading.Event()
-        engine.submit(1, ["x"], c.on_output, c.on_done, is_cancelled=cancelled.is_set)
+        items = list(range(1000))  # 10 s of ticks
+        engine.submit(1, items, c.on_output, c.on_done, is_cancelled=cancelled.is_set)
         cancelled.set()
         c.wait()
         assert c.errors == ["the request was cancelled"] and not engine.is_open(1)
@@ -359,13 +367,14 @@ def test_cancelled_request_frees_its_slot():
 def test_cancellation_polls_one_request_a_conversation():
     """Each poll is a round trip to tritonserver: with 20 requests pending, a conversation's
     oldest is asked, not all 20."""
-    engine = SlotEngine(CountingStage(1))
+    engine = SlotEngine(CountingStage(1, tick_s=0.01))
     try:
-        engine.open(1, "prefill:1000000")  # never answers on its own
+        engine.open(1, None)
         polls = []
-        for i in range(20):
+        for i in range(20):  # 200 items each: the first is pending for 2 s of ticks
             c = Collector()
-            engine.submit(1, [i], c.on_output, c.on_done, is_cancelled=lambda i=i: polls.append(i) or False)
+            engine.submit(1, [i] * 200, c.on_output, c.on_done,
+                          is_cancelled=lambda i=i: polls.append(i) or False)
         time.sleep(1.3)  # two polls, CANCEL_POLL_S apart, once the requests are half a second old
         assert 1 <= len(polls) <= 3 and set(polls) == {0}
     finally:
@@ -373,10 +382,10 @@ def test_cancellation_polls_one_request_a_conversation():
 
 
 def test_shutdown_answers_every_pending_request():
-    engine = SlotEngine(CountingStage(2))
-    engine.open(1, "prefill:1000000")
+    engine = SlotEngine(CountingStage(2, tick_s=0.01))
+    engine.open(1, None)
     c = Collector()
-    engine.submit(1, ["x"], c.on_output, c.on_done)
+    engine.submit(1, list(range(1000)), c.on_output, c.on_done)  # 10 s of ticks, past the drain
     started = time.monotonic()
     engine.shutdown(drain_s=0.5)
     assert c.errors == ["the server is shutting down"]
@@ -394,11 +403,12 @@ def test_frame_index_gap_ends_the_conversation(engine):
 
 
 def test_empty_closing_request_waits_for_earlier_frames(engine):
-    engine.open(1, "prefill:5")
+    hold_start(engine, 1)  # "a" and "b" are still queued when the end request comes
     order = []
     engine.submit(1, ["a", "b"], lambda o, i, last: order.append(o[0]), lambda e: order.append("done a"))
     closer = Collector()
     engine.submit(1, [], None, lambda e: (order.append("closed"), closer.on_done(e)), close=True)
+    engine.stage.release.set()
     closer.wait()
     assert order == ["a", "b", "done a", "closed"] and closer.errors == [None]
 
@@ -445,17 +455,6 @@ def test_draining_finishes_pending_requests_and_refuses_new_ones():
 def test_conversations_starting_count_as_prefilling():
     """A stage's start plays the persona's prefill: the prefilling gauge counts it meanwhile."""
 
-    class SlowStart(CountingStage):
-        def __init__(self, num_slots):
-            super().__init__(num_slots)
-            self.started = threading.Event()
-            self.release = threading.Event()
-
-        def start(self, slot, setup):
-            super().start(slot, setup)
-            self.started.set()
-            self.release.wait(30)
-
     class Gauges(Metrics):
         def __init__(self):
             super().__init__()
@@ -464,11 +463,10 @@ def test_conversations_starting_count_as_prefilling():
         def conversations(self, active, prefilling):
             self.seen.append((active, prefilling))
 
-    stage, gauges = SlowStart(2), Gauges()
+    stage, gauges = CountingStage(2), Gauges()
     engine = SlotEngine(stage, metrics=gauges)
     try:
-        engine.open(1, None)
-        assert stage.started.wait(10)
+        hold_start(engine, 1)
         assert gauges.seen[-1] == (1, 1)
         stage.release.set()
         deadline = time.monotonic() + 10

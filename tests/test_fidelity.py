@@ -51,7 +51,7 @@ def our_tokens(checkpoint: Path, voice: str) -> list[list[int]]:
     frames = audio.split_frames(audio.read_wav(USER_WAV))
     tokens = []
     while len(tokens) < len(frames):
-        steps = talker.tick({} if talker.prefilling(0) else {0: frames[len(tokens)]})
+        steps = talker.tick({0: frames[len(tokens)]})
         if 0 in steps:
             tokens.append([steps[0].text_token, *map(int, steps[0].codes)])
     talker.close()

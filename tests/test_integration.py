@@ -59,9 +59,6 @@ def in_process(server, tiny_checkpoint):
         frames = audio.split_frames(pcm)
         out, text = [], []
         while len(out) < len(frames):
-            if talker.prefilling(0):
-                talker.tick({})
-                continue
             step = talker.tick({0: frames[len(out)]})[0]
             out.append(decoder.tick({0: step.codes})[0])
             text.append(talker.text_piece(step.text_token))

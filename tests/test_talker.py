@@ -47,8 +47,7 @@ def converse(talker, slot, setup, frames, others=()):
         talker.start(s, st)
     answers = {s: [] for s, _, _ in everyone}
     while len(answers[slot]) < len(frames):
-        items = {s: f[len(answers[s])] for s, _, f in everyone
-                 if not talker.prefilling(s) and len(answers[s]) < len(f)}
+        items = {s: f[len(answers[s])] for s, _, f in everyone if len(answers[s]) < len(f)}
         for s, step in talker.tick(items).items():
             answers[s].append((step.text_token, tuple(int(c) for c in step.codes)))
     for s, _, _ in everyone:

@@ -21,8 +21,5 @@ class Code2Wav:
     def stop(self, slot: int) -> None:
         pass  # the next start resets the row
 
-    def prefilling(self, slot: int) -> bool:
-        return False
-
     def tick(self, items: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         return self.mimi.decode(items)

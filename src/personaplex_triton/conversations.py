@@ -191,10 +191,9 @@ class ConversationTable:
     def live(self) -> list[Conversation]:
         return [c for c in self.all if c.slot is not None]
 
-    def next_batch(self, prefilling: Callable[[int], bool]) -> dict[int, tuple]:
-        """Each live conversation's next item, by slot: (conversation, request, item, queued at);
-        none for slots still prefilling."""
-        return {c.slot: (c, *c.queue.popleft()) for c in self.live() if c.queue and not prefilling(c.slot)}
+    def next_batch(self) -> dict[int, tuple]:
+        """Each live conversation's next item, by slot: (conversation, request, item, queued at)."""
+        return {c.slot: (c, *c.queue.popleft()) for c in self.live() if c.queue}
 
     def owes_work(self) -> bool:
         """Whether some conversation still owes answers or a release (shutdown waits for none)."""

@@ -2,9 +2,10 @@
 
 Both stages run on it: a stage owns per-slot model state and answers `tick(items)` with one
 batched step; the engine's ConversationTable (conversations.py) maps conversations to slots,
-queues each request's items and, each tick, hands every slot at most one item (slots still
-prefilling tick without one). Requests only queue work (`execute()` returns at once); answers
-go back through each request's callbacks, in order, from the engine's outbox thread
+queues each request's items and, each tick, hands each slot with items queued its next one. A
+stage's `start` sets its slot up in full before its first tick (the talker plays the persona's
+prefill there, on the engine thread). Requests only queue work (`execute()` returns at once);
+answers go back through each request's callbacks, in order, from the engine's outbox thread
 (outbox.py, answers.py): the next tick need not wait for the sends. Only one thread sends:
 tritonserver 2.51 aborts when a Python-backend stub sends from several at once (a
 boost::interprocess lock_exception).
@@ -45,7 +46,6 @@ class Stage(Protocol):
 
     def start(self, slot: int, setup: Any) -> None: ...
     def stop(self, slot: int) -> None: ...
-    def prefilling(self, slot: int) -> bool: ...
     def tick(self, items: dict[int, Any]) -> dict[int, Any]: ...
 
 
@@ -155,8 +155,8 @@ class SlotEngine:
         """One pass of the loop: free, start, tick; False once shut down."""
         table = self._table
         with self._cond:
-            if self._running and not (table.to_start or any(c.closable for c in table.all) or any(
-                    c.queue or self.stage.prefilling(c.slot) for c in table.live())):
+            if self._running and not (table.to_start or any(c.closable for c in table.all)
+                                      or any(c.queue for c in table.live())):
                 self._cond.wait(HEARTBEAT_S)
             if not self._running:
                 return False
@@ -177,9 +177,8 @@ class SlotEngine:
         for conv in starting:
             self._start(conv)
         with self._cond:
-            batch = table.next_batch(self.stage.prefilling)
-            prefilling = any(self.stage.prefilling(c.slot) for c in table.live())
-        if batch or prefilling:
+            batch = table.next_batch()
+        if batch:
             self._tick(batch)
         self._report_occupancy()
         return True
@@ -206,9 +205,9 @@ class SlotEngine:
                 self._fail(conv, "the request was cancelled", reasons.CANCELLED)
 
     def _report_occupancy(self, starting: int = 0) -> None:
+        """The gauges: conversations holding a slot, and of them the `starting` ones (prefilling)."""
         with self._cond:
-            live = [c.slot for c in self._table.live()]
-            occupancy = (len(live), starting + sum(self.stage.prefilling(s) for s in live))
+            occupancy = (len(self._table.live()), starting)
         if occupancy != self._occupancy:
             self._occupancy = occupancy
             self.metrics.conversations(*occupancy)
@@ -221,9 +220,10 @@ class SlotEngine:
             self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)
 
     def _ticked(self, batch) -> list[Conversation]:
-        """The conversations a tick steps: those with an item, and those prefilling."""
+        """The conversations a tick steps: those with an item, less any ended meanwhile (by a
+        failed send or a lost frame, on other threads)."""
         with self._cond:
-            return [c for c in self._table.live() if c.slot in batch or self.stage.prefilling(c.slot)]
+            return [conv for slot, (conv, _, _, _) in batch.items() if conv.slot == slot]
 
     def _step(self, batch) -> dict | None:
         """The stage's tick over `batch`; None if it failed for good (its conversations got the

@@ -181,9 +181,6 @@ class Talker:
     def stop(self, slot: int) -> None:
         self._unencoded.pop(slot, None)  # the next start resets the slot
 
-    def prefilling(self, slot: int) -> bool:
-        return False  # start() plays the whole prefill
-
     def play(self, slot: int, program: Iterator[PrefillStep]) -> torch.Tensor:
         """Play prefill steps into a started slot at once (SlotGenerator.prefill); returns the
         input embeddings of the steps that ran the model [M, 1, dim]."""

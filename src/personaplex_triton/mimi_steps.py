@@ -4,10 +4,14 @@ moshi keeps Mimi's streaming state inside its modules (ring KV caches, conv buff
 masks). Here one 80 ms step is a pure function of its input and the state tensors, batch
 dimension first, so that the same step runs in PyTorch, exports to ONNX with a dynamic batch
 and builds into a TensorRT engine, and so that a slot pool can hold each conversation's state.
-The steps reuse Mimi's own modules and weights; only the streaming bookkeeping is rewritten:
+The steps reuse Mimi's own modules and weights (some weights laid out anew, once, for the
+products below); the streaming bookkeeping is rewritten, and the layers run as ONNX Runtime
+runs them fast on a CPU, time-major ([B, T, C]) from the input to the output:
 
-- a causal conv keeps its last `kernel - stride` input samples (moshi's `previous`);
-- a transposed conv keeps its overlapping tail (moshi's `partial`);
+- a causal conv keeps its last `kernel - stride` input samples (moshi's `previous`),
+  [B, kept, C], and runs as one matrix product over frames of `stride` samples;
+- a transposed conv keeps the block of `stride` output samples its last input step leaves
+  for the next frame (moshi's `partial`, without the bias), flattened to [B, 1, stride * C];
 - attention keeps the last `context` keys and values as a sliding window (concatenate, keep
   the last `context`), with an additive mask built from the stream's offset. That sees
   exactly the keys moshi's ring buffer sees, without Scatter or Mod ops.
@@ -41,14 +45,54 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+def _weight_layout(module: nn.Module, layout: str) -> torch.Tensor:
+    """A conv's weight as the right-hand matrix of its product (see _conv, _conv_transpose)."""
+    w = module.weight.detach()
+    if layout == "im2col":      # [C_out, C_in, k] -> [(k, C_in), C_out]
+        return w.permute(2, 1, 0).reshape(-1, w.shape[0]).contiguous()
+    if layout == "taps":        # [C_out, C_in, taps * s] -> [(s, C_in), (taps, C_out)]
+        c_out, c_in, k = w.shape
+        s = module.stride[0]
+        return w.permute(2, 1, 0).reshape(k // s, s, c_in, c_out).permute(1, 2, 0, 3).reshape(s * c_in, -1).contiguous()
+    if layout == "transposed":  # [C_in, C_out, k] -> [C_in, (k, C_out)]
+        return w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
+    if layout == "depthwise":   # [C, 1, k] -> [k, C]
+        return w[:, 0].t().contiguous()
+    raise ValueError(layout)
+
+
+class _Weights:
+    """The conv weights of a step laid out for its matrix products, made once, by the dry run
+    at the step's construction, as buffers of the step (they move with it and export as
+    constants; a step in PyTorch does not lay them out again every frame). Later steps only
+    read them: Mimi's weights must not change after the step is made."""
+
+    def __init__(self, step: nn.Module):
+        self._step = step
+        self._names: dict[tuple[nn.Module, str], str] = {}
+        self.frozen = False
+
+    def get(self, module: nn.Module, layout: str) -> torch.Tensor:
+        name = self._names.get((module, layout))
+        if name is None:
+            if self.frozen:
+                raise KeyError(f"no {layout} weights laid out for {module}")
+            name = self._names[module, layout] = f"weights{len(self._names)}"
+            self._step.register_buffer(name, _weight_layout(module, layout), persistent=False)
+        return getattr(self._step, name)
+
+
 class _StateIO:
     """Hands a step's incoming state tensors to the modules in order, collects the outgoing
     ones. With no incoming states it makes zeros instead, which is how a fresh state (and its
-    specs) comes about: the order is the one the step itself uses."""
+    specs) comes about: the order is the one the step itself uses. It also carries the step's
+    laid-out weights."""
 
-    def __init__(self, states: tuple[torch.Tensor, ...] | None, batch: int, like: torch.Tensor):
+    def __init__(self, states: tuple[torch.Tensor, ...] | None, batch: int, like: torch.Tensor,
+                 weights: _Weights):
         self._incoming = None if states is None else iter(states)
         self._batch, self._like = batch, like
+        self.weights = weights
         self.taken: list[torch.Tensor] = []
         self.given: list[torch.Tensor] = []
 
@@ -65,52 +109,59 @@ class _StateIO:
 
 
 def _conv(conv: StreamingConv1d, x: torch.Tensor, io: _StateIO, first: torch.Tensor | None) -> torch.Tensor:
-    kept = conv._effective_kernel_size - conv._stride
-    if kept == 0:
-        return conv.conv(x)
-    previous = io.take(x.shape[1], kept)
-    if conv.pad_mode == "replicate":  # moshi primes a fresh buffer with the first sample
-        previous = torch.where(first.view(-1, 1, 1), x[..., :1].expand_as(previous), previous)
-    x = torch.cat([previous, x], dim=-1)
-    io.give(x[..., x.shape[-1] - kept:])
-    return conv.conv(x)
-
-
-def _transposed_conv(inner: nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-    """`inner(x)` as one matrix product (an elementwise one when depthwise) and an overlap-add.
-    ONNX Runtime's ConvTranspose on the CPU ran the decoder's upsampling at a few GMAC/s and
-    streamed its weights once per stream of the batch; here the product is [B * L, C_in] @
-    [C_in, C_out * kernel], one pass over the weights for the whole batch."""
-    B, _, L = x.shape
-    k, s = inner.kernel_size[0], inner.stride[0]
-    c_out, overlaps = inner.out_channels, -(-k // s)  # overlaps: input steps an output block sums
-    if inner.padding[0] or inner.dilation[0] != 1 or inner.output_padding[0]:
-        raise TypeError("Mimi's transposed convs: no padding, no dilation")
-    weight = F.pad(inner.weight, (0, overlaps * s - k))  # [C_in, C_out / groups, overlaps * s]
-    if inner.groups == 1:
-        # 2-D, so that ONNX Runtime runs one GEMM (a transposed 3-D operand became a FusedMatMul
-        # that ran per stream)
-        z = x.transpose(1, 2).reshape(B * L, -1) @ weight.flatten(1)  # [B * L, C_out * overlaps * s]
-    elif inner.groups == inner.in_channels == c_out:
-        z = x.transpose(1, 2)[..., None] * weight[:, 0]  # [B, L, C, overlaps * s]
+    """A causal conv, time-major [B, L, C], as one matrix product over frames of `stride`
+    samples (ONNX Runtime's Conv ran the weight-heavy convs at a fraction of the memory
+    bandwidth, and needed layout transposes around the transformer). Of the two ways to
+    spread the kernel over the product, it takes the one with the smaller intermediate:
+    gathering the kernel's frames per output (im2col), or multiplying every frame by the
+    whole kernel and summing shifted slices of the products."""
+    inner = conv.conv.conv
+    k, s = conv._effective_kernel_size, conv._stride
+    if inner.padding[0] or inner.dilation[0] != 1 or inner.groups != 1 or k % s:
+        raise TypeError("Mimi's convs: no padding, no dilation, not grouped, kernel a multiple of the stride")
+    B, L, C = x.shape
+    kept = k - s
+    if kept:
+        previous = io.take(kept, C)
+        if conv.pad_mode == "replicate":  # moshi primes a fresh buffer with the first sample
+            previous = torch.where(first.view(-1, 1, 1), x[:, :1].expand_as(previous), previous)
+        x = torch.cat([previous, x], dim=1)
+        io.give(x[:, x.shape[1] - kept:])
+    taps, frames = k // s, x.shape[1] // s      # kernel and input in frames of s samples
+    length = frames - taps + 1                  # output samples
+    x = x.reshape(B, frames, s * C)
+    if length * k * C <= frames * taps * inner.out_channels:
+        if taps > 1:
+            x = torch.cat([x[:, i:i + length] for i in range(taps)], dim=-1)
+        y = x @ io.weights.get(inner, "im2col")
     else:
-        raise TypeError("Mimi's transposed convs: plain or depthwise")
-    z = z.reshape(B, L, c_out, overlaps, s)
-    # output block t + i (s samples) gets input step t's i-th slice of the kernel
-    blocks = sum(F.pad(z[:, :, :, i], (0, 0, 0, 0, i, overlaps - 1 - i)) for i in range(overlaps))
-    y = blocks.permute(0, 2, 1, 3).reshape(B, c_out, (L + overlaps - 1) * s)[..., :(L - 1) * s + k]
-    return y if inner.bias is None else y + inner.bias[:, None]
+        z = (x @ io.weights.get(inner, "taps")).view(B, frames, taps, -1)
+        y = sum(z[:, i:i + length, i] for i in range(taps))
+    return y if inner.bias is None else y + inner.bias
 
 
 def _conv_transpose(convtr: StreamingConvTranspose1d, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
+    """A causal transposed conv, time-major [B, L, C], as one matrix product (an elementwise
+    one when depthwise) and an overlap-add. With the kernel twice the stride (all of Mimi's),
+    input step t writes output blocks t and t + 1 of `stride` samples: the block a step
+    leaves for the next frame is the state (moshi's `partial`, without the bias)."""
     inner = convtr.convtr.convtr
-    overlap = convtr._kernel_size - convtr._stride
-    partial = io.take(inner.out_channels, overlap)
-    y = _transposed_conv(inner, x)
-    y = torch.cat([y[..., :overlap] + partial, y[..., overlap:]], dim=-1)
-    tail = y[..., y.shape[-1] - overlap:]
-    io.give(tail if inner.bias is None else tail - inner.bias[:, None])
-    return y[..., : y.shape[-1] - overlap]
+    s, c_out = inner.stride[0], inner.out_channels
+    if inner.padding[0] or inner.dilation[0] != 1 or inner.output_padding[0] or inner.kernel_size[0] != 2 * s:
+        raise TypeError("Mimi's transposed convs: no padding, no dilation, kernel twice the stride")
+    B, L, _ = x.shape
+    if inner.groups == 1:
+        z = x @ io.weights.get(inner, "transposed")         # [B, L, 2 * s * c_out]
+    elif inner.groups == inner.in_channels == c_out:
+        z = x[:, :, None, :] * io.weights.get(inner, "depthwise")  # [B, L, 2 * s, c_out]
+    else:
+        raise TypeError("Mimi's transposed convs: plain or depthwise")
+    z = z.reshape(B, L, 2, s * c_out)
+    partial = io.take(1, s * c_out)
+    blocks = z[:, :, 0] + torch.cat([partial, z[:, :L - 1, 1]], dim=1)
+    io.give(z[:, L - 1:, 1])
+    y = blocks.reshape(B, L * s, c_out)
+    return y if inner.bias is None else y + inner.bias
 
 
 def _seanet(module: nn.Module, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
@@ -163,16 +214,15 @@ def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, offset: 
 
 def _transformer(projected: ProjectedTransformer, x: torch.Tensor, offset: torch.Tensor,
                  io: _StateIO) -> torch.Tensor:
-    """[B, C, T] in conv layout through Mimi's streaming transformer."""
+    """[B, T, C] (time-major, as the steps' convs run) through Mimi's streaming transformer."""
     transformer = projected.transformer
     if transformer.positional_embedding != "rope" or not projected.conv_layout:
         raise TypeError("Mimi's transformer: RoPE positions, conv layout")
-    x = x.transpose(1, 2)
     if projected.input_proj is not None:
         x = projected.input_proj(x)
     for layer in transformer.layers:
         x = _attention_layer(layer, x, offset, io)
-    return projected.output_projs[0](x).transpose(1, 2)
+    return projected.output_projs[0](x)
 
 
 class MimiStep(nn.Module):
@@ -184,12 +234,15 @@ class MimiStep(nn.Module):
     def __init__(self, mimi):
         super().__init__()
         self.mimi = mimi
+        self._weights = _Weights(self)
+        self.initial_state(1)  # the dry run lays out the weights
+        self._weights.frozen = True
 
     def _step(self, x: torch.Tensor, offset: torch.Tensor, io: _StateIO) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, offset: torch.Tensor, *states: torch.Tensor):
-        io = _StateIO(states, x.shape[0], self._like)
+        io = _StateIO(states, x.shape[0], self._like, self._weights)
         y = self._step(x, offset, io)
         return (y, offset + self.transformer_steps, *io.given)
 
@@ -206,7 +259,7 @@ class MimiStep(nn.Module):
     def initial_state(self, batch: int) -> list[torch.Tensor]:
         """A fresh stream: offset 0 and zeroed state tensors, on Mimi's device."""
         like = self._like
-        io = _StateIO(None, batch, like)
+        io = _StateIO(None, batch, like, self._weights)
         x = torch.zeros((batch, *self.input.shape), dtype=self.input.dtype, device=like.device)
         offset = torch.zeros(batch, dtype=torch.long, device=like.device)
         self._step(x, offset, io)
@@ -226,9 +279,10 @@ class MimiDecoderStep(MimiStep):
 
     def _step(self, codes, offset, io):
         mimi = self.mimi
-        emb = _conv_transpose(mimi.upsample.convtr, mimi.decode_latent(codes), io)
+        emb = _conv_transpose(mimi.upsample.convtr, mimi.decode_latent(codes).transpose(1, 2), io)
         emb = _transformer(mimi.decoder_transformer, emb, offset, io)
-        return _seanet(mimi.decoder, emb, io)
+        pcm = _seanet(mimi.decoder, emb, io)  # [B, 1920, 1]
+        return pcm.reshape(pcm.shape[0], 1, -1)
 
 
 class MimiEncoderStep(MimiStep):
@@ -239,10 +293,10 @@ class MimiEncoderStep(MimiStep):
 
     def _step(self, pcm, offset, io):
         mimi = self.mimi
-        emb = _seanet(mimi.encoder, pcm, io)
+        emb = _seanet(mimi.encoder, pcm.reshape(pcm.shape[0], -1, 1), io)
         emb = _transformer(mimi.encoder_transformer, emb, offset, io)
         emb = _conv(mimi.downsample.conv, emb, io, first=offset == 0)
-        return mimi.quantizer.encode(emb)
+        return mimi.quantizer.encode(emb.transpose(1, 2))
 
 
 STEPS = {"decoder": MimiDecoderStep, "encoder": MimiEncoderStep}

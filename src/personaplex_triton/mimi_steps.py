@@ -12,9 +12,11 @@ runs them fast on a CPU, time-major ([B, T, C]) from the input to the output:
   [B, kept, C], and runs as one matrix product over frames of `stride` samples;
 - a transposed conv keeps the block of `stride` output samples its last input step leaves
   for the next frame (moshi's `partial`, without the bias), flattened to [B, 1, stride * C];
-- attention keeps the last `context` keys and values as a sliding window (concatenate, keep
-  the last `context`), with an additive mask built from the stream's offset. That sees
-  exactly the keys moshi's ring buffer sees, without Scatter or Mod ops.
+- attention keeps the last `context` keys and values in a ring, each position in slot
+  `position % context` (keys transposed, [B, H, D, context]; values [B, H, context, D]), with
+  an additive mask built from the stream's offset. That sees exactly the keys moshi's ring
+  buffer sees. Each head's query and key dimensions are reordered (see _weight_halves), so the
+  keys in the state are in that order too.
 
 State of a stream = [offset (int64, transformer steps done)] + the tensors its modules take,
 in the order they take them. A fresh stream is all zeros.
@@ -22,6 +24,7 @@ in the order they take them. A fresh stream is all zeros.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +49,10 @@ class TensorSpec:
 
 
 def _weight_layout(module: nn.Module, layout: str) -> torch.Tensor:
-    """A conv's weight as the right-hand matrix of its product (see _conv, _conv_transpose)."""
+    """A weight as the right-hand matrix of its product (see _conv, _conv_transpose,
+    _weight_halves)."""
+    if layout == "halves":
+        return _weight_halves(module)
     w = module.weight.detach()
     if layout == "im2col":      # [C_out, C_in, k] -> [(k, C_in), C_out]
         return w.permute(2, 1, 0).reshape(-1, w.shape[0]).contiguous()
@@ -183,30 +189,76 @@ def _seanet(module: nn.Module, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
     raise TypeError(f"no explicit-state step for {type(module).__name__}")
 
 
-def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, offset: torch.Tensor,
+@dataclass(frozen=True)
+class _Positions:
+    """What every attention layer of a step shares: RoPE's rotation of the step's positions
+    ([B, 1, T, D / 2] each), the ring slot each new key goes to ([B, T]) and the additive
+    mask of what each query sees ([B, 1, T, context])."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def _positions(attn, offset: torch.Tensor, T: int, dtype: torch.dtype) -> _Positions:
+    B, context, device = offset.shape[0], attn.context, offset.device
+    D = attn.embed_dim // attn.num_heads
+    # RoPE's angles as moshi's apply_rope computes them
+    freqs = torch.exp(torch.arange(D // 2, device=device, dtype=torch.float32)
+                      * (-math.log(attn.rope.max_period) * 2 / D))
+    angles = freqs * (offset.float().view(-1, 1) + torch.arange(T, device=device, dtype=torch.float32)).view(B, 1, T, 1)
+    pos_q = offset.view(B, 1) + torch.arange(T, device=device)           # [B, T]
+    last = pos_q[:, T - 1:]
+    # ring slot i holds the newest position congruent to i that this step has written
+    slot = torch.arange(context, device=device)
+    pos_k = last - torch.remainder(last - slot, context)                 # [B, context]
+    delta = pos_q[:, :, None] - pos_k[:, None, :]
+    visible = (pos_k[:, None, :] >= 0) & (delta >= 0) & (delta < context)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+    return _Positions(torch.cos(angles), torch.sin(angles), torch.remainder(pos_q, context), mask[:, None])
+
+
+def _rope(qk: torch.Tensor, positions: _Positions) -> torch.Tensor:
+    """moshi's RoPE rotation, on queries and keys whose head dimensions are laid out as all real
+    parts, then all imaginary parts (see _in_projection)."""
+    real, imag = qk.chunk(2, dim=-1)
+    cos, sin = positions.cos, positions.sin
+    return torch.cat([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+
+
+def _weight_halves(attn) -> torch.Tensor:
+    """The in-projection with each head's query and key dimensions reordered from moshi's
+    interleaved (real, imaginary) pairs to halves, so that RoPE takes two slices of a head
+    rather than a gather per part. Attention only takes dot products of a query with keys, which
+    one reordering of both leaves as they are; the values keep their order."""
+    H = attn.num_heads
+    D = attn.embed_dim // H
+    w = attn.in_projs[0].weight.detach().view(3, H, D, -1)
+    halves = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
+    return torch.cat([w[:2, :, halves.to(w.device)], w[2:]]).reshape(3 * H * D, -1).contiguous()
+
+
+def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, positions: _Positions,
                      io: _StateIO) -> torch.Tensor:
     attn = layer.self_attn
-    if attn.kv_repeat != 1 or attn.weights_per_step or layer.gating is not None or attn.context is None:
-        raise TypeError("Mimi's transformer layers: plain MHA with a context, ungated MLP")
     B, T, _ = x.shape
     H, context = attn.num_heads, attn.context
     D = attn.embed_dim // H
-    q, k, v = attn.in_projs[0](layer.norm1(x)).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
-    q, k = attn.rope(q, k, offset, time_before_heads=False)
+    weight = io.weights.get(attn, "halves") if attn.rope.interleave else attn.in_projs[0].weight
+    qkv = F.linear(layer.norm1(x), weight).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+    q, k = _rope(qkv[:2], positions)
+    v = qkv[2]
 
-    # keys and values in two states: one window of both cost a split and a stack (copies) a step
-    keys = torch.cat([io.take(H, context, D), k], dim=2)[:, :, T:]
-    values = torch.cat([io.take(H, context, D), v], dim=2)[:, :, T:]
+    # The keys and values of the last `context` positions, each in the ring slot of its
+    # position: a step writes its T new ones in place of the oldest. Keys are kept transposed,
+    # as the scores take them.
+    keys = io.take(H, D, context).scatter(3, positions.slots.view(B, 1, 1, T).expand(B, H, D, T), k.transpose(2, 3))
+    values = io.take(H, context, D).scatter(2, positions.slots.view(B, 1, T, 1).expand(B, H, T, D), v)
     io.give(keys)
     io.give(values)
-
-    steps = torch.arange(context, device=x.device) - context
-    pos_k = offset.view(B, 1) + T + steps                                 # [B, context]
-    pos_q = offset.view(B, 1) + torch.arange(T, device=x.device)          # [B, T]
-    delta = pos_q[:, :, None] - pos_k[:, None, :]
-    visible = (pos_k[:, None, :] >= 0) & (delta >= 0) & (delta < context)
-    mask = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
-    out = F.scaled_dot_product_attention(q, keys, values, mask[:, None])
+    scores = torch.matmul(q * D ** -0.5, keys) + positions.mask
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)
     x = x + layer.layer_scale_1(attn.out_projs[0](out.transpose(1, 2).reshape(B, T, H * D)))
     update = layer.linear2(layer.activation(layer.linear1(layer.norm2(x))))
     return x + layer.layer_scale_2(update)
@@ -218,10 +270,16 @@ def _transformer(projected: ProjectedTransformer, x: torch.Tensor, offset: torch
     transformer = projected.transformer
     if transformer.positional_embedding != "rope" or not projected.conv_layout:
         raise TypeError("Mimi's transformer: RoPE positions, conv layout")
+    attns = [layer.self_attn for layer in transformer.layers]
+    if any(attn.kv_repeat != 1 or attn.weights_per_step or attn.context is None for attn in attns) or any(
+            layer.gating is not None for layer in transformer.layers) or len(
+            {(a.context, a.num_heads, a.embed_dim, a.rope.max_period) for a in attns}) != 1:
+        raise TypeError("Mimi's transformer layers: alike, plain MHA with a context, ungated MLP")
     if projected.input_proj is not None:
         x = projected.input_proj(x)
+    positions = _positions(attns[0], offset, x.shape[1], x.dtype)
     for layer in transformer.layers:
-        x = _attention_layer(layer, x, offset, io)
+        x = _attention_layer(layer, x, positions, io)
     return projected.output_projs[0](x)
 
 

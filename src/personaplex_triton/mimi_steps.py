@@ -10,8 +10,8 @@ runs them fast on a CPU, time-major ([B, T, C]) from the input to the output:
 
 - a causal conv keeps its last `kernel - stride` input samples (moshi's `previous`),
   [B, kept, C], and runs as one matrix product over frames of `stride` samples;
-- a transposed conv keeps the block of `stride` output samples its last input step leaves
-  for the next frame (moshi's `partial`, without the bias), flattened to [B, 1, stride * C];
+- a transposed conv (kernel twice the stride) keeps its last input step, [B, 1, C_in], and
+  runs as a causal conv of kernel 2 over the input (moshi keeps the overlapping output);
 - attention keeps the last `context` keys and values in a ring, each position in slot
   `position % context` (keys transposed, [B, H, D, context]; values [B, H, context, D]), with
   an additive mask built from the stream's offset. That sees exactly the keys moshi's ring
@@ -49,21 +49,25 @@ class TensorSpec:
 
 
 def _weight_layout(module: nn.Module, layout: str) -> torch.Tensor:
-    """A weight as the right-hand matrix of its product (see _conv, _conv_transpose,
+    """A weight as the right-hand matrix of its product (see _causal_product, _conv_transpose,
     _weight_halves)."""
     if layout == "halves":
         return _weight_halves(module)
     w = module.weight.detach()
-    if layout == "im2col":      # [C_out, C_in, k] -> [(k, C_in), C_out]
-        return w.permute(2, 1, 0).reshape(-1, w.shape[0]).contiguous()
-    if layout == "taps":        # [C_out, C_in, taps * s] -> [(s, C_in), (taps, C_out)]
-        c_out, c_in, k = w.shape
+    if isinstance(module, nn.ConvTranspose1d):
+        # as a conv of kernel 2 over the input, tap 0 on step t - 1 (the kernel's second half),
+        # tap 1 on step t: [C_in, C_out / groups, 2 * s] -> [s, C_out / groups, C_in, 2]
         s = module.stride[0]
+        w = w.view(w.shape[0], w.shape[1], 2, s).flip(2).permute(3, 1, 0, 2)
+        if layout == "depthwise":  # [s, 1, C, 2] -> [2, s, C]
+            return w[:, 0].permute(2, 0, 1).contiguous()
+        w = w.reshape(-1, w.shape[2], 2)  # as a conv's weight: [(s, C_out), C_in, 2]
+    c_out, c_in, k = w.shape
+    if layout == "im2col":      # [C_out, C_in, k] -> [(k, C_in), C_out]
+        return w.permute(2, 1, 0).reshape(k * c_in, c_out).contiguous()
+    if layout == "taps":        # [C_out, C_in, taps * s] -> [(s, C_in), (taps, C_out)]
+        s = module.stride[0] if isinstance(module, nn.Conv1d) else 1
         return w.permute(2, 1, 0).reshape(k // s, s, c_in, c_out).permute(1, 2, 0, 3).reshape(s * c_in, -1).contiguous()
-    if layout == "transposed":  # [C_in, C_out, k] -> [C_in, (k, C_out)]
-        return w.permute(0, 2, 1).reshape(w.shape[0], -1).contiguous()
-    if layout == "depthwise":   # [C, 1, k] -> [k, C]
-        return w[:, 0].t().contiguous()
     raise ValueError(layout)
 
 
@@ -114,59 +118,65 @@ class _StateIO:
         self.given.append(state)
 
 
+def _causal_product(x: torch.Tensor, taps: int, step: int, weights: _Weights, module: nn.Module,
+                    out_channels: int) -> torch.Tensor:
+    """Output t = sum over i < taps of frame t + i times tap i of the kernel, for the frames of
+    `step` samples of x ([B, L, C], time-major, the kept samples first), as one matrix product.
+    Of the two ways to spread the taps over the product, it takes the one with the smaller
+    intermediate: gathering each output's frames (im2col), or multiplying every frame by all
+    the taps and summing shifted slices of the products."""
+    B, L, C = x.shape
+    frames = L // step
+    length = frames - taps + 1
+    x = x.reshape(B, frames, step * C)
+    if length * taps * step * C <= frames * taps * out_channels:
+        if taps > 1:
+            x = torch.cat([x[:, i:i + length] for i in range(taps)], dim=-1)
+        return x @ weights.get(module, "im2col")
+    z = (x @ weights.get(module, "taps")).view(B, frames, taps, out_channels)
+    return sum(z[:, i:i + length, i] for i in range(taps))
+
+
 def _conv(conv: StreamingConv1d, x: torch.Tensor, io: _StateIO, first: torch.Tensor | None) -> torch.Tensor:
     """A causal conv, time-major [B, L, C], as one matrix product over frames of `stride`
     samples (ONNX Runtime's Conv ran the weight-heavy convs at a fraction of the memory
-    bandwidth, and needed layout transposes around the transformer). Of the two ways to
-    spread the kernel over the product, it takes the one with the smaller intermediate:
-    gathering the kernel's frames per output (im2col), or multiplying every frame by the
-    whole kernel and summing shifted slices of the products."""
+    bandwidth, and needed layout transposes around the transformer)."""
     inner = conv.conv.conv
     k, s = conv._effective_kernel_size, conv._stride
     if inner.padding[0] or inner.dilation[0] != 1 or inner.groups != 1 or k % s:
         raise TypeError("Mimi's convs: no padding, no dilation, not grouped, kernel a multiple of the stride")
-    B, L, C = x.shape
     kept = k - s
     if kept:
-        previous = io.take(kept, C)
+        previous = io.take(kept, x.shape[2])
         if conv.pad_mode == "replicate":  # moshi primes a fresh buffer with the first sample
             previous = torch.where(first.view(-1, 1, 1), x[:, :1].expand_as(previous), previous)
         x = torch.cat([previous, x], dim=1)
         io.give(x[:, x.shape[1] - kept:])
-    taps, frames = k // s, x.shape[1] // s      # kernel and input in frames of s samples
-    length = frames - taps + 1                  # output samples
-    x = x.reshape(B, frames, s * C)
-    if length * k * C <= frames * taps * inner.out_channels:
-        if taps > 1:
-            x = torch.cat([x[:, i:i + length] for i in range(taps)], dim=-1)
-        y = x @ io.weights.get(inner, "im2col")
-    else:
-        z = (x @ io.weights.get(inner, "taps")).view(B, frames, taps, -1)
-        y = sum(z[:, i:i + length, i] for i in range(taps))
+    y = _causal_product(x, k // s, s, io.weights, inner, inner.out_channels)
     return y if inner.bias is None else y + inner.bias
 
 
 def _conv_transpose(convtr: StreamingConvTranspose1d, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
-    """A causal transposed conv, time-major [B, L, C], as one matrix product (an elementwise
-    one when depthwise) and an overlap-add. With the kernel twice the stride (all of Mimi's),
-    input step t writes output blocks t and t + 1 of `stride` samples: the block a step
-    leaves for the next frame is the state (moshi's `partial`, without the bias)."""
+    """A causal transposed conv, time-major [B, L, C]. With the kernel twice the stride (all of
+    Mimi's), output block t (`stride` samples) is input step t times the kernel's first half
+    plus step t - 1 times its second: a causal conv of kernel 2 over the input, with
+    `stride * C_out` output channels (see _weight_layout), that keeps the last input step
+    instead of moshi's overlapping output (`partial`), and needs no overlap-add."""
     inner = convtr.convtr.convtr
     s, c_out = inner.stride[0], inner.out_channels
     if inner.padding[0] or inner.dilation[0] != 1 or inner.output_padding[0] or inner.kernel_size[0] != 2 * s:
         raise TypeError("Mimi's transposed convs: no padding, no dilation, kernel twice the stride")
     B, L, _ = x.shape
+    x = torch.cat([io.take(1, inner.in_channels), x], dim=1)
+    io.give(x[:, L:])
     if inner.groups == 1:
-        z = x @ io.weights.get(inner, "transposed")         # [B, L, 2 * s * c_out]
+        y = _causal_product(x, 2, 1, io.weights, inner, s * c_out)
     elif inner.groups == inner.in_channels == c_out:
-        z = x[:, :, None, :] * io.weights.get(inner, "depthwise")  # [B, L, 2 * s, c_out]
+        halves = io.weights.get(inner, "depthwise")  # [2, s, C]: taps on step t - 1, step t
+        y = x[:, :L, None, :] * halves[0] + x[:, 1:, None, :] * halves[1]
     else:
         raise TypeError("Mimi's transposed convs: plain or depthwise")
-    z = z.reshape(B, L, 2, s * c_out)
-    partial = io.take(1, s * c_out)
-    blocks = z[:, :, 0] + torch.cat([partial, z[:, :L - 1, 1]], dim=1)
-    io.give(z[:, L - 1:, 1])
-    y = blocks.reshape(B, L * s, c_out)
+    y = y.reshape(B, L * s, c_out)
     return y if inner.bias is None else y + inner.bias
 
 

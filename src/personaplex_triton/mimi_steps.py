@@ -119,12 +119,13 @@ class _StateIO:
 
 
 def _causal_product(x: torch.Tensor, taps: int, step: int, weights: _Weights, module: nn.Module,
-                    out_channels: int) -> torch.Tensor:
+                    out_channels: int, bias: torch.Tensor | None) -> torch.Tensor:
     """Output t = sum over i < taps of frame t + i times tap i of the kernel, for the frames of
     `step` samples of x ([B, L, C], time-major, the kept samples first), as one matrix product.
     Of the two ways to spread the taps over the product, it takes the one with the smaller
     intermediate: gathering each output's frames (im2col), or multiplying every frame by all
-    the taps and summing shifted slices of the products."""
+    the taps and summing shifted slices of the products. The bias is added in the product
+    where it can be (im2col: one 2-D product and bias, a single Gemm in ONNX Runtime)."""
     B, L, C = x.shape
     frames = L // step
     length = frames - taps + 1
@@ -132,9 +133,13 @@ def _causal_product(x: torch.Tensor, taps: int, step: int, weights: _Weights, mo
     if length * taps * step * C <= frames * taps * out_channels:
         if taps > 1:
             x = torch.cat([x[:, i:i + length] for i in range(taps)], dim=-1)
-        return x @ weights.get(module, "im2col")
+        x = x.reshape(B * length, -1)
+        weight = weights.get(module, "im2col")
+        y = x @ weight if bias is None else torch.addmm(bias, x, weight)
+        return y.view(B, length, out_channels)
     z = (x @ weights.get(module, "taps")).view(B, frames, taps, out_channels)
-    return sum(z[:, i:i + length, i] for i in range(taps))
+    y = sum(z[:, i:i + length, i] for i in range(taps))
+    return y if bias is None else y + bias
 
 
 def _conv(conv: StreamingConv1d, x: torch.Tensor, io: _StateIO, first: torch.Tensor | None) -> torch.Tensor:
@@ -152,8 +157,7 @@ def _conv(conv: StreamingConv1d, x: torch.Tensor, io: _StateIO, first: torch.Ten
             previous = torch.where(first.view(-1, 1, 1), x[:, :1].expand_as(previous), previous)
         x = torch.cat([previous, x], dim=1)
         io.give(x[:, x.shape[1] - kept:])
-    y = _causal_product(x, k // s, s, io.weights, inner, inner.out_channels)
-    return y if inner.bias is None else y + inner.bias
+    return _causal_product(x, k // s, s, io.weights, inner, inner.out_channels, inner.bias)
 
 
 def _conv_transpose(convtr: StreamingConvTranspose1d, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
@@ -170,7 +174,7 @@ def _conv_transpose(convtr: StreamingConvTranspose1d, x: torch.Tensor, io: _Stat
     x = torch.cat([io.take(1, inner.in_channels), x], dim=1)
     io.give(x[:, L:])
     if inner.groups == 1:
-        y = _causal_product(x, 2, 1, io.weights, inner, s * c_out)
+        y = _causal_product(x, 2, 1, io.weights, inner, s * c_out, bias=None)
     elif inner.groups == inner.in_channels == c_out:
         halves = io.weights.get(inner, "depthwise")  # [2, s, C]: taps on step t - 1, step t
         y = x[:, :L, None, :] * halves[0] + x[:, 1:, None, :] * halves[1]

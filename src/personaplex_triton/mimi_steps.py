@@ -72,10 +72,11 @@ def _weight_layout(module: nn.Module, layout: str) -> torch.Tensor:
 
 
 class _Weights:
-    """The conv weights of a step laid out for its matrix products, made once, by the dry run
-    at the step's construction, as buffers of the step (they move with it and export as
-    constants; a step in PyTorch does not lay them out again every frame). Later steps only
-    read them: Mimi's weights must not change after the step is made."""
+    """The weights of a step laid out for its matrix products (convs, attention's in-projection;
+    see _weight_layout), made once, by the dry run at the step's construction, as buffers of
+    the step (they move with it and export as constants; a step in PyTorch does not lay them
+    out again every frame). Later steps only read them: Mimi's weights must not change after
+    the step is made."""
 
     def __init__(self, step: nn.Module):
         self._step = step
@@ -237,7 +238,7 @@ def _positions(attn, offset: torch.Tensor, T: int, dtype: torch.dtype) -> _Posit
 
 def _rope(qk: torch.Tensor, positions: _Positions) -> torch.Tensor:
     """moshi's RoPE rotation, on queries and keys whose head dimensions are laid out as all real
-    parts, then all imaginary parts (see _in_projection)."""
+    parts, then all imaginary parts (see _weight_halves)."""
     real, imag = qk.chunk(2, dim=-1)
     cos, sin = positions.cos, positions.sin
     return torch.cat([real * cos - imag * sin, real * sin + imag * cos], dim=-1)

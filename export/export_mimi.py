@@ -42,6 +42,17 @@ def _example_input(step, batch: int, gen: torch.Generator) -> torch.Tensor:
     return 0.1 * torch.randn((batch, *step.input.shape), generator=gen)
 
 
+def _elu(x, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0):
+    """ELU as max(x, exp(min(x, 0)) - 1): the same function (exp(x) - 1 >= x), in ops ONNX
+    Runtime runs in about half the time of its Elu (0.15 against 0.33 ms on [1, 1920, 64])."""
+    from onnxscript import opset18 as op
+
+    if (alpha, scale, input_scale) != (1.0, 1.0, 1.0):
+        raise TypeError("Mimi's ELUs: alpha 1")
+    one = op.CastLike(1.0, x)
+    return op.Max(x, op.Sub(op.Exp(op.Min(x, op.CastLike(0.0, x))), one))
+
+
 def self_check(stage: str, torch_runner: TorchStepRunner, path: Path) -> float:
     """The largest difference between the ONNX and PyTorch steps over a few frames of a batch
     (for codes: the fraction of codes that differ)."""
@@ -77,6 +88,7 @@ def export_stage(stage: str, files: loaders.CheckpointFiles, mimi) -> Path:
         staged = Path(tmp) / path.name
         torch.onnx.export(step, example, str(staged), dynamo=True, optimize=True, external_data=False,
                           input_names=input_names, output_names=output_names,
+                          custom_translation_table={torch.ops.aten.elu.default: _elu},
                           dynamic_shapes=({0: batch}, {0: batch}, tuple({0: batch} for _ in specs[1:])))
         worst = self_check(stage, runner, staged)
         if worst > CHECK_TOLERANCE:

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from personaplex_triton import loaders
 from personaplex_triton.mimi_artefacts import metadata_path, onnx_path
@@ -103,19 +104,31 @@ def test_export_metadata_and_cache(files, capsys):
     assert meta["self_check"]["max_abs_diff"] <= 1e-4
 
 
-def test_transposed_convs_as_matrix_products_match_torch(mimi):
-    """The steps' transposed convs (a matrix product and an overlap-add, which ONNX Runtime runs
-    far faster than its ConvTranspose) against the modules' own ConvTranspose1d: the decoder's
-    upsampling convs and the depthwise 2x upsampler, at batch 3 and a few lengths."""
-    from moshi.modules.conv import StreamingConvTranspose1d
+def test_convs_as_matrix_products_match_torch(mimi):
+    """The steps' convs and transposed convs (time-major matrix products over the laid-out
+    weights, which ONNX Runtime runs far faster than its Conv and ConvTranspose) on a fresh
+    stream, against the modules' own Conv1d on the causally padded input and ConvTranspose1d:
+    every conv of Mimi, the depthwise 2x upsampler included, at batch 3 and a few lengths."""
+    from moshi.modules.conv import StreamingConv1d, StreamingConvTranspose1d
 
-    from personaplex_triton.mimi_steps import _transposed_conv
+    from personaplex_triton.mimi_steps import _conv, _conv_transpose, _StateIO, _Weights
 
-    convs = [m.convtr.convtr for m in mimi.modules() if isinstance(m, StreamingConvTranspose1d)]
-    assert len(convs) == 5 and any(conv.groups > 1 for conv in convs)
-    gen = torch.Generator().manual_seed(0)
-    for conv in convs:
-        for length in (1, 2, 7):
-            x = torch.randn(3, conv.in_channels, length, generator=gen)
+    convs = [m for m in mimi.modules() if isinstance(m, StreamingConv1d)]
+    transposed = [m for m in mimi.modules() if isinstance(m, StreamingConvTranspose1d)]
+    assert len(transposed) == 5 and any(m.convtr.convtr.groups > 1 for m in transposed)
+    weights, gen = _Weights(torch.nn.Module()), torch.Generator().manual_seed(0)
+    for module in convs + transposed:
+        inner = module.conv.conv if module in convs else module.convtr.convtr
+        stride = inner.stride[0]
+        for frames in (1, 2, 7):
+            length = frames * (1 if module in transposed else stride)
+            x = torch.randn(3, inner.in_channels, length, generator=gen)
+            io = _StateIO(None, 3, x, weights)
             with torch.no_grad():
-                torch.testing.assert_close(_transposed_conv(conv, x), conv(x), atol=2e-5, rtol=1e-4)
+                if module in convs:
+                    got = _conv(module, x.transpose(1, 2), io, first=torch.zeros(3, dtype=torch.bool))
+                    want = inner(F.pad(x, (inner.kernel_size[0] - stride, 0)))
+                else:
+                    got = _conv_transpose(module, x.transpose(1, 2), io)
+                    want = inner(x)[..., :length * stride]
+            torch.testing.assert_close(got.transpose(1, 2), want, atol=2e-5, rtol=1e-4)

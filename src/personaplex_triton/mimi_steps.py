@@ -4,13 +4,19 @@ moshi keeps Mimi's streaming state inside its modules (ring KV caches, conv buff
 masks). Here one 80 ms step is a pure function of its input and the state tensors, batch
 dimension first, so that the same step runs in PyTorch, exports to ONNX with a dynamic batch
 and builds into a TensorRT engine, and so that a slot pool can hold each conversation's state.
-The steps reuse Mimi's own modules and weights; only the streaming bookkeeping is rewritten:
+The steps reuse Mimi's own modules and weights (some weights laid out anew, once, for the
+products below); the streaming bookkeeping is rewritten, and the layers run as ONNX Runtime
+runs them fast on a CPU, time-major ([B, T, C]) from the input to the output:
 
-- a causal conv keeps its last `kernel - stride` input samples (moshi's `previous`);
-- a transposed conv keeps its overlapping tail (moshi's `partial`);
-- attention keeps the last `context` keys and values as a sliding window (concatenate, keep
-  the last `context`), with an additive mask built from the stream's offset. That sees
-  exactly the keys moshi's ring buffer sees, without Scatter or Mod ops.
+- a causal conv keeps its last `kernel - stride` input samples (moshi's `previous`),
+  [B, kept, C], and runs as one matrix product over frames of `stride` samples;
+- a transposed conv (kernel twice the stride) keeps its last input step, [B, 1, C_in], and
+  runs as a causal conv of kernel 2 over the input (moshi keeps the overlapping output);
+- attention keeps the last `context` keys and values in a ring, each position in slot
+  `position % context` (keys transposed, [B, H, D, context]; values [B, H, context, D]), with
+  an additive mask built from the stream's offset. That sees exactly the keys moshi's ring
+  buffer sees. Each head's query and key dimensions are reordered (see _weight_halves), so the
+  keys in the state are in that order too.
 
 State of a stream = [offset (int64, transformer steps done)] + the tensors its modules take,
 in the order they take them. A fresh stream is all zeros.
@@ -18,6 +24,7 @@ in the order they take them. A fresh stream is all zeros.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +48,62 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+def _weight_layout(module: nn.Module, layout: str) -> torch.Tensor:
+    """A weight as the right-hand matrix of its product (see _causal_product, _conv_transpose,
+    _weight_halves)."""
+    if layout == "halves":
+        return _weight_halves(module)
+    w = module.weight.detach()
+    if isinstance(module, nn.ConvTranspose1d):
+        # as a conv of kernel 2 over the input, tap 0 on step t - 1 (the kernel's second half),
+        # tap 1 on step t: [C_in, C_out / groups, 2 * s] -> [s, C_out / groups, C_in, 2]
+        s = module.stride[0]
+        w = w.view(w.shape[0], w.shape[1], 2, s).flip(2).permute(3, 1, 0, 2)
+        if layout == "depthwise":  # [s, 1, C, 2] -> [2, s, C]
+            return w[:, 0].permute(2, 0, 1).contiguous()
+        w = w.reshape(-1, w.shape[2], 2)  # as a conv's weight: [(s, C_out), C_in, 2]
+    c_out, c_in, k = w.shape
+    if layout == "im2col":      # [C_out, C_in, k] -> [(k, C_in), C_out]
+        return w.permute(2, 1, 0).reshape(k * c_in, c_out).contiguous()
+    if layout == "taps":        # [C_out, C_in, taps * s] -> [(s, C_in), (taps, C_out)]
+        s = module.stride[0] if isinstance(module, nn.Conv1d) else 1
+        return w.permute(2, 1, 0).reshape(k // s, s, c_in, c_out).permute(1, 2, 0, 3).reshape(s * c_in, -1).contiguous()
+    raise ValueError(layout)
+
+
+class _Weights:
+    """The weights of a step laid out for its matrix products (convs, attention's in-projection;
+    see _weight_layout), made once, by the dry run at the step's construction, as buffers of
+    the step (they move with it and export as constants; a step in PyTorch does not lay them
+    out again every frame). Later steps only read them: Mimi's weights must not change after
+    the step is made."""
+
+    def __init__(self, step: nn.Module):
+        self._step = step
+        self._names: dict[tuple[nn.Module, str], str] = {}
+        self.frozen = False
+
+    def get(self, module: nn.Module, layout: str) -> torch.Tensor:
+        name = self._names.get((module, layout))
+        if name is None:
+            if self.frozen:
+                raise KeyError(f"no {layout} weights laid out for {module}")
+            name = self._names[module, layout] = f"weights{len(self._names)}"
+            self._step.register_buffer(name, _weight_layout(module, layout), persistent=False)
+        return getattr(self._step, name)
+
+
 class _StateIO:
     """Hands a step's incoming state tensors to the modules in order, collects the outgoing
     ones. With no incoming states it makes zeros instead, which is how a fresh state (and its
-    specs) comes about: the order is the one the step itself uses."""
+    specs) comes about: the order is the one the step itself uses. It also carries the step's
+    laid-out weights."""
 
-    def __init__(self, states: tuple[torch.Tensor, ...] | None, batch: int, like: torch.Tensor):
+    def __init__(self, states: tuple[torch.Tensor, ...] | None, batch: int, like: torch.Tensor,
+                 weights: _Weights):
         self._incoming = None if states is None else iter(states)
         self._batch, self._like = batch, like
+        self.weights = weights
         self.taken: list[torch.Tensor] = []
         self.given: list[torch.Tensor] = []
 
@@ -64,53 +119,72 @@ class _StateIO:
         self.given.append(state)
 
 
+def _causal_product(x: torch.Tensor, taps: int, step: int, weights: _Weights, module: nn.Module,
+                    out_channels: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Output t = sum over i < taps of frame t + i times tap i of the kernel, for the frames of
+    `step` samples of x ([B, L, C], time-major, the kept samples first), as one matrix product.
+    Of the two ways to spread the taps over the product, it takes the one with the smaller
+    intermediate: gathering each output's frames (im2col), or multiplying every frame by all
+    the taps and summing shifted slices of the products. The bias is added in the product
+    where it can be (im2col: one 2-D product and bias, a single Gemm in ONNX Runtime)."""
+    B, L, C = x.shape
+    frames = L // step
+    length = frames - taps + 1
+    x = x.reshape(B, frames, step * C)
+    if length * taps * step * C <= frames * taps * out_channels:
+        if taps > 1:
+            x = torch.cat([x[:, i:i + length] for i in range(taps)], dim=-1)
+        x = x.reshape(B * length, -1)
+        weight = weights.get(module, "im2col")
+        y = x @ weight if bias is None else torch.addmm(bias, x, weight)
+        return y.view(B, length, out_channels)
+    # rows (frame, tap) of the products: output t takes rows t * taps + i * (taps + 1), one
+    # strided slice a tap (a single Slice in ONNX, no copy of the rows it skips)
+    z = (x @ weights.get(module, "taps")).view(B, frames * taps, out_channels)
+    y = sum(z[:, i * (taps + 1):i * (taps + 1) + (length - 1) * taps + 1:taps] for i in range(taps))
+    return y if bias is None else y + bias
+
+
 def _conv(conv: StreamingConv1d, x: torch.Tensor, io: _StateIO, first: torch.Tensor | None) -> torch.Tensor:
-    kept = conv._effective_kernel_size - conv._stride
-    if kept == 0:
-        return conv.conv(x)
-    previous = io.take(x.shape[1], kept)
-    if conv.pad_mode == "replicate":  # moshi primes a fresh buffer with the first sample
-        previous = torch.where(first.view(-1, 1, 1), x[..., :1].expand_as(previous), previous)
-    x = torch.cat([previous, x], dim=-1)
-    io.give(x[..., x.shape[-1] - kept:])
-    return conv.conv(x)
-
-
-def _transposed_conv(inner: nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-    """`inner(x)` as one matrix product (an elementwise one when depthwise) and an overlap-add.
-    ONNX Runtime's ConvTranspose on the CPU ran the decoder's upsampling at a few GMAC/s and
-    streamed its weights once per stream of the batch; here the product is [B * L, C_in] @
-    [C_in, C_out * kernel], one pass over the weights for the whole batch."""
-    B, _, L = x.shape
-    k, s = inner.kernel_size[0], inner.stride[0]
-    c_out, overlaps = inner.out_channels, -(-k // s)  # overlaps: input steps an output block sums
-    if inner.padding[0] or inner.dilation[0] != 1 or inner.output_padding[0]:
-        raise TypeError("Mimi's transposed convs: no padding, no dilation")
-    weight = F.pad(inner.weight, (0, overlaps * s - k))  # [C_in, C_out / groups, overlaps * s]
-    if inner.groups == 1:
-        # 2-D, so that ONNX Runtime runs one GEMM (a transposed 3-D operand became a FusedMatMul
-        # that ran per stream)
-        z = x.transpose(1, 2).reshape(B * L, -1) @ weight.flatten(1)  # [B * L, C_out * overlaps * s]
-    elif inner.groups == inner.in_channels == c_out:
-        z = x.transpose(1, 2)[..., None] * weight[:, 0]  # [B, L, C, overlaps * s]
-    else:
-        raise TypeError("Mimi's transposed convs: plain or depthwise")
-    z = z.reshape(B, L, c_out, overlaps, s)
-    # output block t + i (s samples) gets input step t's i-th slice of the kernel
-    blocks = sum(F.pad(z[:, :, :, i], (0, 0, 0, 0, i, overlaps - 1 - i)) for i in range(overlaps))
-    y = blocks.permute(0, 2, 1, 3).reshape(B, c_out, (L + overlaps - 1) * s)[..., :(L - 1) * s + k]
-    return y if inner.bias is None else y + inner.bias[:, None]
+    """A causal conv, time-major [B, L, C], as one matrix product over frames of `stride`
+    samples (ONNX Runtime's Conv ran the weight-heavy convs at a fraction of the memory
+    bandwidth, and needed layout transposes around the transformer)."""
+    inner = conv.conv.conv
+    k, s = conv._effective_kernel_size, conv._stride
+    if inner.padding[0] or inner.dilation[0] != 1 or inner.groups != 1 or k % s:
+        raise TypeError("Mimi's convs: no padding, no dilation, not grouped, kernel a multiple of the stride")
+    kept = k - s
+    if kept:
+        previous = io.take(kept, x.shape[2])
+        if conv.pad_mode == "replicate":  # moshi primes a fresh buffer with the first sample
+            previous = torch.where(first.view(-1, 1, 1), x[:, :1].expand_as(previous), previous)
+        x = torch.cat([previous, x], dim=1)
+        io.give(x[:, x.shape[1] - kept:])
+    return _causal_product(x, k // s, s, io.weights, inner, inner.out_channels, inner.bias)
 
 
 def _conv_transpose(convtr: StreamingConvTranspose1d, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
+    """A causal transposed conv, time-major [B, L, C]. With the kernel twice the stride (all of
+    Mimi's), output block t (`stride` samples) is input step t times the kernel's first half
+    plus step t - 1 times its second: a causal conv of kernel 2 over the input, with
+    `stride * C_out` output channels (see _weight_layout), that keeps the last input step
+    instead of moshi's overlapping output (`partial`), and needs no overlap-add."""
     inner = convtr.convtr.convtr
-    overlap = convtr._kernel_size - convtr._stride
-    partial = io.take(inner.out_channels, overlap)
-    y = _transposed_conv(inner, x)
-    y = torch.cat([y[..., :overlap] + partial, y[..., overlap:]], dim=-1)
-    tail = y[..., y.shape[-1] - overlap:]
-    io.give(tail if inner.bias is None else tail - inner.bias[:, None])
-    return y[..., : y.shape[-1] - overlap]
+    s, c_out = inner.stride[0], inner.out_channels
+    if inner.padding[0] or inner.dilation[0] != 1 or inner.output_padding[0] or inner.kernel_size[0] != 2 * s:
+        raise TypeError("Mimi's transposed convs: no padding, no dilation, kernel twice the stride")
+    B, L, _ = x.shape
+    x = torch.cat([io.take(1, inner.in_channels), x], dim=1)
+    io.give(x[:, L:])
+    if inner.groups == 1:
+        y = _causal_product(x, 2, 1, io.weights, inner, s * c_out, bias=None)
+    elif inner.groups == inner.in_channels == c_out:
+        halves = io.weights.get(inner, "depthwise")  # [2, s, C]: taps on step t - 1, step t
+        y = x[:, :L, None, :] * halves[0] + x[:, 1:, None, :] * halves[1]
+    else:
+        raise TypeError("Mimi's transposed convs: plain or depthwise")
+    y = y.reshape(B, L * s, c_out)
+    return y if inner.bias is None else y + inner.bias
 
 
 def _seanet(module: nn.Module, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
@@ -132,30 +206,76 @@ def _seanet(module: nn.Module, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
     raise TypeError(f"no explicit-state step for {type(module).__name__}")
 
 
-def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, offset: torch.Tensor,
+@dataclass(frozen=True)
+class _Positions:
+    """What every attention layer of a step shares: RoPE's rotation of the step's positions
+    ([B, 1, T, D / 2] each), the ring slot each new key goes to ([B, T]) and the additive
+    mask of what each query sees ([B, 1, T, context])."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def _positions(attn, offset: torch.Tensor, T: int, dtype: torch.dtype) -> _Positions:
+    B, context, device = offset.shape[0], attn.context, offset.device
+    D = attn.embed_dim // attn.num_heads
+    # RoPE's angles as moshi's apply_rope computes them
+    freqs = torch.exp(torch.arange(D // 2, device=device, dtype=torch.float32)
+                      * (-math.log(attn.rope.max_period) * 2 / D))
+    angles = freqs * (offset.float().view(-1, 1) + torch.arange(T, device=device, dtype=torch.float32)).view(B, 1, T, 1)
+    pos_q = offset.view(B, 1) + torch.arange(T, device=device)           # [B, T]
+    last = pos_q[:, T - 1:]
+    # ring slot i holds the newest position congruent to i that this step has written
+    slot = torch.arange(context, device=device)
+    pos_k = last - torch.remainder(last - slot, context)                 # [B, context]
+    delta = pos_q[:, :, None] - pos_k[:, None, :]
+    visible = (pos_k[:, None, :] >= 0) & (delta >= 0) & (delta < context)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+    return _Positions(torch.cos(angles), torch.sin(angles), torch.remainder(pos_q, context), mask[:, None])
+
+
+def _rope(qk: torch.Tensor, positions: _Positions) -> torch.Tensor:
+    """moshi's RoPE rotation, on queries and keys whose head dimensions are laid out as all real
+    parts, then all imaginary parts (see _weight_halves)."""
+    real, imag = qk.chunk(2, dim=-1)
+    cos, sin = positions.cos, positions.sin
+    return torch.cat([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+
+
+def _weight_halves(attn) -> torch.Tensor:
+    """The in-projection with each head's query and key dimensions reordered from moshi's
+    interleaved (real, imaginary) pairs to halves, so that RoPE takes two slices of a head
+    rather than a gather per part. Attention only takes dot products of a query with keys, which
+    one reordering of both leaves as they are; the values keep their order."""
+    H = attn.num_heads
+    D = attn.embed_dim // H
+    w = attn.in_projs[0].weight.detach().view(3, H, D, -1)
+    halves = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])
+    return torch.cat([w[:2, :, halves.to(w.device)], w[2:]]).reshape(3 * H * D, -1).contiguous()
+
+
+def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, positions: _Positions,
                      io: _StateIO) -> torch.Tensor:
     attn = layer.self_attn
-    if attn.kv_repeat != 1 or attn.weights_per_step or layer.gating is not None or attn.context is None:
-        raise TypeError("Mimi's transformer layers: plain MHA with a context, ungated MLP")
     B, T, _ = x.shape
     H, context = attn.num_heads, attn.context
     D = attn.embed_dim // H
-    q, k, v = attn.in_projs[0](layer.norm1(x)).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
-    q, k = attn.rope(q, k, offset, time_before_heads=False)
+    weight = io.weights.get(attn, "halves") if attn.rope.interleave else attn.in_projs[0].weight
+    qkv = F.linear(layer.norm1(x), weight).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+    q, k = _rope(qkv[:2], positions)
+    v = qkv[2]
 
-    # keys and values in two states: one window of both cost a split and a stack (copies) a step
-    keys = torch.cat([io.take(H, context, D), k], dim=2)[:, :, T:]
-    values = torch.cat([io.take(H, context, D), v], dim=2)[:, :, T:]
+    # The keys and values of the last `context` positions, each in the ring slot of its
+    # position: a step writes its T new ones in place of the oldest. Keys are kept transposed,
+    # as the scores take them.
+    keys = io.take(H, D, context).scatter(3, positions.slots.view(B, 1, 1, T).expand(B, H, D, T), k.transpose(2, 3))
+    values = io.take(H, context, D).scatter(2, positions.slots.view(B, 1, T, 1).expand(B, H, T, D), v)
     io.give(keys)
     io.give(values)
-
-    steps = torch.arange(context, device=x.device) - context
-    pos_k = offset.view(B, 1) + T + steps                                 # [B, context]
-    pos_q = offset.view(B, 1) + torch.arange(T, device=x.device)          # [B, T]
-    delta = pos_q[:, :, None] - pos_k[:, None, :]
-    visible = (pos_k[:, None, :] >= 0) & (delta >= 0) & (delta < context)
-    mask = torch.zeros(visible.shape, dtype=q.dtype, device=x.device).masked_fill(~visible, float("-inf"))
-    out = F.scaled_dot_product_attention(q, keys, values, mask[:, None])
+    scores = torch.matmul(q * D ** -0.5, keys) + positions.mask
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)
     x = x + layer.layer_scale_1(attn.out_projs[0](out.transpose(1, 2).reshape(B, T, H * D)))
     update = layer.linear2(layer.activation(layer.linear1(layer.norm2(x))))
     return x + layer.layer_scale_2(update)
@@ -163,16 +283,21 @@ def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, offset: 
 
 def _transformer(projected: ProjectedTransformer, x: torch.Tensor, offset: torch.Tensor,
                  io: _StateIO) -> torch.Tensor:
-    """[B, C, T] in conv layout through Mimi's streaming transformer."""
+    """[B, T, C] (time-major, as the steps' convs run) through Mimi's streaming transformer."""
     transformer = projected.transformer
     if transformer.positional_embedding != "rope" or not projected.conv_layout:
         raise TypeError("Mimi's transformer: RoPE positions, conv layout")
-    x = x.transpose(1, 2)
+    attns = [layer.self_attn for layer in transformer.layers]
+    if any(attn.kv_repeat != 1 or attn.weights_per_step or attn.context is None for attn in attns) or any(
+            layer.gating is not None for layer in transformer.layers) or len(
+            {(a.context, a.num_heads, a.embed_dim, a.rope.max_period) for a in attns}) != 1:
+        raise TypeError("Mimi's transformer layers: alike, plain MHA with a context, ungated MLP")
     if projected.input_proj is not None:
         x = projected.input_proj(x)
+    positions = _positions(attns[0], offset, x.shape[1], x.dtype)
     for layer in transformer.layers:
-        x = _attention_layer(layer, x, offset, io)
-    return projected.output_projs[0](x).transpose(1, 2)
+        x = _attention_layer(layer, x, positions, io)
+    return projected.output_projs[0](x)
 
 
 class MimiStep(nn.Module):
@@ -184,12 +309,15 @@ class MimiStep(nn.Module):
     def __init__(self, mimi):
         super().__init__()
         self.mimi = mimi
+        self._weights = _Weights(self)
+        self.initial_state(1)  # the dry run lays out the weights
+        self._weights.frozen = True
 
     def _step(self, x: torch.Tensor, offset: torch.Tensor, io: _StateIO) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, offset: torch.Tensor, *states: torch.Tensor):
-        io = _StateIO(states, x.shape[0], self._like)
+        io = _StateIO(states, x.shape[0], self._like, self._weights)
         y = self._step(x, offset, io)
         return (y, offset + self.transformer_steps, *io.given)
 
@@ -206,7 +334,7 @@ class MimiStep(nn.Module):
     def initial_state(self, batch: int) -> list[torch.Tensor]:
         """A fresh stream: offset 0 and zeroed state tensors, on Mimi's device."""
         like = self._like
-        io = _StateIO(None, batch, like)
+        io = _StateIO(None, batch, like, self._weights)
         x = torch.zeros((batch, *self.input.shape), dtype=self.input.dtype, device=like.device)
         offset = torch.zeros(batch, dtype=torch.long, device=like.device)
         self._step(x, offset, io)
@@ -226,9 +354,10 @@ class MimiDecoderStep(MimiStep):
 
     def _step(self, codes, offset, io):
         mimi = self.mimi
-        emb = _conv_transpose(mimi.upsample.convtr, mimi.decode_latent(codes), io)
+        emb = _conv_transpose(mimi.upsample.convtr, mimi.decode_latent(codes).transpose(1, 2), io)
         emb = _transformer(mimi.decoder_transformer, emb, offset, io)
-        return _seanet(mimi.decoder, emb, io)
+        pcm = _seanet(mimi.decoder, emb, io)  # [B, 1920, 1]
+        return pcm.reshape(pcm.shape[0], 1, -1)
 
 
 class MimiEncoderStep(MimiStep):
@@ -239,10 +368,10 @@ class MimiEncoderStep(MimiStep):
 
     def _step(self, pcm, offset, io):
         mimi = self.mimi
-        emb = _seanet(mimi.encoder, pcm, io)
+        emb = _seanet(mimi.encoder, pcm.reshape(pcm.shape[0], -1, 1), io)
         emb = _transformer(mimi.encoder_transformer, emb, offset, io)
         emb = _conv(mimi.downsample.conv, emb, io, first=offset == 0)
-        return mimi.quantizer.encode(emb)
+        return mimi.quantizer.encode(emb.transpose(1, 2))
 
 
 STEPS = {"decoder": MimiDecoderStep, "encoder": MimiEncoderStep}

@@ -326,7 +326,7 @@ def test_encode_after_the_answer_gives_the_same_tokens(files, talker, wav_voice,
                         t.start(2, late)
                     out = t.tick({0: frame, **({2: frame[::-1].copy()} if i >= 4 else {})})
                     answers.append([(s, step.text_token, tuple(map(int, step.codes))) for s, step in sorted(out.items())])
-                t.tick({})  # settles the last frame's codes
+                t.settle()  # the last frame's codes into the grid
                 runs.append((answers, t.generator.grid.cache[[0, 2]].clone(), t.generator.grid.provided[[0, 2]].clone()))
                 t.stop(0)
                 t.stop(2)
@@ -335,6 +335,31 @@ def test_encode_after_the_answer_gives_the_same_tokens(files, talker, wav_voice,
             assert torch.equal(cache, cache_in_tick) and torch.equal(provided, provided_in_tick)
     finally:
         in_tick.close()
+
+
+def test_a_tick_waits_only_for_its_own_slots_codes(talker, wav_voice, user_frames, monkeypatch):
+    """Conversations whose frames come at different moments tick apart: a tick waits for the
+    encodes of its own slots' earlier frames, not for another conversation's still running."""
+    import threading
+
+    for slot in (0, 1):
+        talker.start(slot, setup(wav_voice, seed=slot))
+    talker.tick({0: user_frames[0], 1: user_frames[0]})
+    release, answered = threading.Event(), threading.Event()
+    encode = talker.mimi.encode
+    monkeypatch.setattr(talker.mimi, "encode", lambda frames: release.wait(60) and encode(frames))
+    talker.tick({1: user_frames[1]})  # slot 1's encode now holds until released
+    ticking = threading.Thread(target=lambda: talker.tick({0: user_frames[1]}) is not None and answered.set())
+    ticking.start()
+    try:
+        assert answered.wait(30), "slot 0's tick waited for slot 1's encode"
+    finally:
+        release.set()
+        ticking.join()
+    talker.settle()
+    assert not talker._unencoded
+    for slot in (0, 1):
+        talker.stop(slot)
 
 
 def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voice, user_frames, monkeypatch):

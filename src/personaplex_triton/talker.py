@@ -123,8 +123,8 @@ class Talker:
                  cuda_graphs: bool = True, ring_attention: bool = True, kv_dtype: torch.dtype | None = None,
                  encode_after: bool = True):
         """`encode_after`: a tick answers before it Mimi-encodes its user frames, which it does
-        on a thread of its own while the answers leave and the decoder runs; the next tick waits
-        for those codes. A step's samples do not depend on its own frame's codes (its input is
+        on a thread of its own while the answers leave and the decoder runs; the next tick that
+        steps one of those slots waits for their codes. A step's samples do not depend on its own frame's codes (its input is
         the previous position; the depformer skips the user's codebooks), only the next step's
         do, so the tokens are the same and the encode (about a fifth of a CPU frame, 2.5 to 6 ms
         of an H200's tick) leaves each frame's latency."""
@@ -140,7 +140,7 @@ class Talker:
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="talker-encode",
                                            initializer=_yield_cpu if self.device.type == "cpu" else None) \
             if encode_after else None
-        self._encoding = None  # the last tick's encode: (future of its codes, slots, positions)
+        self._encodings: list[tuple] = []  # encodes not yet written: (future of their codes, slots, positions)
         self._unencoded: dict[int, str] = {}  # slot -> why its last frame has no user codes
 
     def close(self) -> None:
@@ -149,19 +149,25 @@ class Talker:
             self._encoder.shutdown()
         self.generator.close()
 
-    def settle(self) -> None:
-        """Write the last tick's user codes into the token grid, once its encode is done: the
+    def settle(self, slots=None) -> None:
+        """Write the user codes of earlier ticks into the token grid, once their encodes are
+        done: of every such tick (`slots` None), or of those that stepped one of `slots` (a tick
+        needs its own slots' codes only: with conversations whose frames come at different
+        moments, it need not wait for the others' encode), and of any already done. The
         talker's own methods do it first; call it before using the generator or Mimi directly."""
-        if self._encoding is None:
-            return
-        future, slots, positions = self._encoding
-        self._encoding = None
-        try:
-            codes = future.result()
-        except Exception as exc:  # those conversations cannot go on: their next tick says so
-            self._unencoded.update((s, f"{type(exc).__name__}: {exc}") for s in slots)
-            return
-        self.generator.force_user(slots, positions, torch.stack([codes[s] for s in slots]))
+        pending = []
+        for encoding in self._encodings:
+            future, encoded, positions = encoding
+            if slots is not None and not future.done() and slots.isdisjoint(encoded):
+                pending.append(encoding)
+                continue
+            try:
+                codes = future.result()
+            except Exception as exc:  # those conversations cannot go on: their next tick says so
+                self._unencoded.update((s, f"{type(exc).__name__}: {exc}") for s in encoded)
+                continue
+            self.generator.force_user(encoded, positions, torch.stack([codes[s] for s in encoded]))
+        self._encodings = pending
 
     def start(self, slot: int, setup: "TalkerSetup") -> None:
         self.settle()
@@ -211,7 +217,7 @@ class Talker:
     def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, AgentStep]:
         """One batched step: each slot in `user_frames` plays its 1920-sample frame. Returns the
         agent step of each slot answered (none while inside the model's delays)."""
-        self.settle()
+        self.settle(set(user_frames))
         for slot in user_frames:
             if slot in self._unencoded:  # the engine ends that conversation and steps the rest
                 raise SlotFault(slot, f"Mimi-encoding this conversation's last frame failed: {self._unencoded[slot]}")
@@ -237,7 +243,7 @@ class Talker:
         answers = {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
                    for s in user_frames if has_output[s]}
         if later:  # once the answers are out of the step: on a CPU the encode takes both cores
-            self._encoding = (self._encoder.submit(self.mimi.encode, user_frames), slots, positions)
+            self._encodings.append((self._encoder.submit(self.mimi.encode, user_frames), slots, positions))
         return answers
 
 

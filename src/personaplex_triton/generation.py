@@ -23,6 +23,7 @@ The KV cache holds the model's dtype, or float8_e4m3fn (kv_cache.py).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 
@@ -177,8 +178,9 @@ class SlotGenerator:
         self.lm.set_exec_mask(exec_mask)
         # On a CPU each of the step's ~1000 small ops pays PyTorch's dispatch; inference mode
         # skips their autograd and version-counter bookkeeping (a tenth of the tick). A GPU
-        # replays a graph.
-        with self.states.first(b), torch.inference_mode(self.device.type == "cpu"):
+        # replays a graph. (Not `inference_mode(False)`: that turns grad mode on.)
+        cpu_only = torch.inference_mode() if self.device.type == "cpu" else contextlib.nullcontext()
+        with self.states.first(b), cpu_only:
             return self._graphed_step(b)(active, *_forced(inputs, self.device), embeddings.to(self.device),
                                          embed_rows.to(self.device))
 

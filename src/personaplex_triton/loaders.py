@@ -94,7 +94,7 @@ GPU_RESERVED_BYTES = 8 << 30
 # Threads of a stage's process on a CPU. PyTorch's intra-op threads: 1. The LM's ops are small,
 # and an OpenMP team whose cores are shared (the other stage's process, Triton, anything else)
 # waits for its slowest thread at every op: on the 2-core machine under load the talker's tick
-# took 4-6x as long with 2 threads as with 1. ONNX Runtime's Mimi steps take every core the
+# took 4-6x as long with 2 threads as with 1. ONNX Runtime's Mimi decoder takes every core the
 # process may run on (`os.sched_getaffinity`), its idle threads sleeping rather than spinning.
 CPU_TORCH_THREADS = 1
 # The talker's Mimi encoder on ONNX Runtime computes on its own low-priority thread (Talker's

@@ -124,10 +124,10 @@ class Talker:
                  encode_after: bool = True):
         """`encode_after`: a tick answers before it Mimi-encodes its user frames, which it does
         on a thread of its own while the answers leave and the decoder runs; the next tick that
-        steps one of those slots waits for their codes. A step's samples do not depend on its own frame's codes (its input is
-        the previous position; the depformer skips the user's codebooks), only the next step's
-        do, so the tokens are the same and the encode (about a fifth of a CPU frame, 2.5 to 6 ms
-        of an H200's tick) leaves each frame's latency."""
+        steps one of those slots waits for their codes. A step's samples do not depend on its
+        own frame's codes (its input is the previous position; the depformer skips the user's
+        codebooks), only the next step's do, so the tokens are the same and the encode (about a
+        fifth of a CPU frame, 2.5 to 6 ms of an H200's tick) leaves each frame's latency."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
@@ -242,7 +242,7 @@ class Talker:
         tokens, has_output = tokens.cpu().numpy(), has_output.cpu().numpy()
         answers = {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
                    for s in user_frames if has_output[s]}
-        if later:  # once the answers are out of the step: on a CPU the encode takes both cores
+        if later:  # once the answers are out of the step, which the encode would otherwise delay
             self._encodings.append((self._encoder.submit(self.mimi.encode, user_frames), slots, positions))
         return answers
 

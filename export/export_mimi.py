@@ -29,7 +29,7 @@ from personaplex_triton import loaders  # noqa: E402
 from personaplex_triton.mimi_artefacts import (  # noqa: E402
     file_sha256, metadata_path, onnx_path, stale_reason, step_source_sha256)
 from personaplex_triton.mimi_runtime import OnnxRuntimeRunner, TorchStepRunner, tensor_specs_json  # noqa: E402
-from personaplex_triton.mimi_steps import STEPS, TensorSpec  # noqa: E402
+from personaplex_triton.mimi_steps import STEPS, write_state  # noqa: E402
 
 CHECK_BATCH, CHECK_FRAMES = 3, 4
 # A tolerance for the self-check only; tests/test_mimi_runtime.py holds the parity bar.
@@ -63,8 +63,10 @@ def self_check(stage: str, torch_runner: TorchStepRunner, path: Path) -> float:
     worst = 0.0
     for _ in range(CHECK_FRAMES):
         x = _example_input(torch_runner.step, CHECK_BATCH, gen)
-        y_torch, states_torch = torch_runner.run(x, states_torch)
-        y_onnx, states_onnx = onnx_runner.run(x, states_onnx)
+        y_torch, outputs = torch_runner.run(x, states_torch)
+        write_state(states_torch, slice(None), outputs, torch_runner.state_specs)
+        y_onnx, outputs = onnx_runner.run(x, states_onnx)
+        write_state(states_onnx, slice(None), outputs, onnx_runner.state_specs)
         if y_torch.dtype.is_floating_point:
             worst = max(worst, float((y_torch - y_onnx).abs().max()))
         else:
@@ -102,8 +104,7 @@ def export_stage(stage: str, files: loaders.CheckpointFiles, mimi) -> Path:
         "checkpoint_sha256": file_sha256(files.mimi),
         "step_sha256": step_source_sha256(),
         "inputs": tensor_specs_json([step.input, *specs]),
-        "outputs": tensor_specs_json([TensorSpec(name, s.shape, s.dtype)
-                                      for name, s in zip(output_names, [out_spec, *specs])]),
+        "outputs": tensor_specs_json(step.specs()[1]),
         "opset": max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
         "nodes": len(model.graph.node),
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},

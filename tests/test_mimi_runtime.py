@@ -132,3 +132,20 @@ def test_convs_as_matrix_products_match_torch(mimi):
                     got = _conv_transpose(module, x.transpose(1, 2), io)
                     want = inner(x)[..., :length * stride]
             torch.testing.assert_close(got.transpose(1, 2), want, atol=2e-5, rtol=1e-4)
+
+
+def test_write_state_puts_a_rings_new_entries_at_their_positions():
+    """A ring's new entries go to `position % size` from each row's offset before the step
+    (wrapping past the end), rows not stepped keep theirs, other states are replaced whole."""
+    from personaplex_triton.mimi_steps import TensorSpec, write_state
+
+    specs = [TensorSpec("offset", (), torch.long), TensorSpec("ring", (2, 4), torch.float32, ring=1),
+             TensorSpec("buffer", (3,), torch.float32)]
+    state = [torch.tensor([0, 3, 5]), torch.zeros(3, 2, 4), torch.zeros(3, 3)]
+    new = torch.tensor([[[1.0, 2.0], [10.0, 20.0]], [[3.0, 4.0], [30.0, 40.0]]])  # [2 rows, 2, 2 entries]
+    write_state(state, torch.tensor([1, 2]), [torch.tensor([5, 7]), new, torch.ones(2, 3)], specs)
+    assert state[0].tolist() == [0, 5, 7]
+    assert state[1][0].eq(0).all() and state[2][0].eq(0).all()
+    assert state[1][1].tolist() == [[2.0, 0.0, 0.0, 1.0], [20.0, 0.0, 0.0, 10.0]]  # positions 3, 4 -> 3, 0
+    assert state[1][2].tolist() == [[0.0, 3.0, 4.0, 0.0], [0.0, 30.0, 40.0, 0.0]]  # positions 5, 6 -> 1, 2
+    assert state[2][1:].eq(1).all()

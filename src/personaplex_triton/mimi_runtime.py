@@ -1,7 +1,8 @@
 """Where a Mimi step runs: TensorRT, ONNX Runtime or PyTorch, behind one interface.
 
-A runner takes one 80 ms step of a batch of streams: `run(x, states) -> (y, states)`, with
-`states` the step's state tensors (offset first) in the order of `MimiStep.state_specs()`.
+A runner takes one 80 ms step of a batch of streams: `run(x, states) -> (y, outputs)`, with
+`states` the step's state tensors (offset first) in the order of `MimiStep.state_specs()` and
+`outputs` what the step makes of them, which `mimi_steps.write_state` puts in place.
 The ONNX and TensorRT runners run the artefacts `make export` writes (mimi_artefacts.py).
 
 `open_step` takes the first runtime that can run here, in the order TensorRT (an engine
@@ -30,12 +31,13 @@ class RuntimeUnavailable(RuntimeError):
 
 def tensor_specs_json(specs: list[TensorSpec]) -> list[dict]:
     """For the metadata JSON: shapes with the dynamic batch dimension first."""
-    return [{"name": s.name, "shape": ["batch", *s.shape], "dtype": str(s.dtype).removeprefix("torch.")}
-            for s in specs]
+    return [{"name": s.name, "shape": ["batch", *s.shape], "dtype": str(s.dtype).removeprefix("torch."),
+             **({} if s.ring is None else {"ring": s.ring})} for s in specs]
 
 
 def _state_specs(meta: dict) -> list[TensorSpec]:
-    return [TensorSpec(t["name"], tuple(t["shape"][1:]), getattr(torch, t["dtype"])) for t in meta["inputs"][1:]]
+    return [TensorSpec(t["name"], tuple(t["shape"][1:]), getattr(torch, t["dtype"]), t.get("ring"))
+            for t in meta["inputs"][1:]]
 
 
 @dataclass
@@ -50,7 +52,8 @@ class StepRunner:
     skipped: list[str] = field(default_factory=list, repr=False)  # runtimes passed over, and why
 
     def run(self, x: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One step of a batch; the outputs may be reused by the next run: copy what you keep."""
+        """One step of a batch: its output and its state outputs (see mimi_steps.write_state).
+        The outputs may be reused by the next run: copy what you keep."""
         raise NotImplementedError
 
     def prepare(self, max_batch: int) -> None:
@@ -128,8 +131,11 @@ class OnnxRuntimeRunner(StepRunner):
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
-        # Idle threads sleep rather than spin: both stages and the LM share the same cores.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Within a run, threads spin between ops rather than sleep (a step is some 500 short
+        # ops: waking a sleeping thread for each cost a tenth of the decode); they stop when it
+        # returns, since both stages and the LM share the cores.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         super().__init__(stage, "onnxruntime", str(path), torch.device("cpu"), specs, list(skipped))
         self._inputs, self._outputs = self.names

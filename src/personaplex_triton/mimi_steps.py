@@ -13,13 +13,18 @@ runs them fast on a CPU, time-major ([B, T, C]) from the input to the output:
 - a transposed conv (kernel twice the stride) keeps its last input step, [B, 1, C_in], and
   runs as a causal conv of kernel 2 over the input (moshi keeps the overlapping output);
 - attention keeps the last `context` keys and values in a ring, each position in slot
-  `position % context` (keys transposed, [B, H, D, context]; values [B, H, context, D]), with
-  an additive mask built from the stream's offset. That sees exactly the keys moshi's ring
-  buffer sees. Each head's query and key dimensions are reordered (see _weight_halves), so the
-  keys in the state are in that order too.
+  `position % context` (keys transposed, [B, H, D, context]; values [B, H, context, D]). A
+  step reads the ring but does not write it: it attends to the ring's entries that its own
+  new keys do not displace, and to those new keys, with additive masks built from the
+  stream's offset. That sees exactly the keys moshi's ring buffer sees. Each head's query and
+  key dimensions are reordered (see _weight_halves), so the keys in the state are in that
+  order too.
 
 State of a stream = [offset (int64, transformer steps done)] + the tensors its modules take,
-in the order they take them. A fresh stream is all zeros.
+in the order they take them. A fresh stream is all zeros. A step outputs the new value of
+every state tensor except the rings (`TensorSpec.ring`), of which it outputs only the new
+entries; `write_state` puts them in place. Copying a whole ring in and out of every step cost
+the decoder a tenth of its time at batch 1 (8 MB of keys and values, for 2 new positions).
 """
 
 from __future__ import annotations
@@ -41,11 +46,32 @@ from .seam import NUM_AGENT_CODEBOOKS
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A step input or output: its name, shape after the batch dimension, and dtype."""
+    """A step input or output: its name, shape after the batch dimension, and dtype. `ring`:
+    for a state tensor that is a ring, its axis (after the batch dimension) of `shape[ring]`
+    entries, each position in entry `position % shape[ring]`; the step outputs only its new
+    entries along that axis, for positions offset, offset + 1, ..."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    ring: int | None = None
+
+
+def write_state(state: list[torch.Tensor], rows, outputs: list[torch.Tensor], specs: list[TensorSpec]) -> None:
+    """Write a step's state outputs (offset first) into `state`, the tensors it took them from
+    (rows `rows` of each: a slice or an index tensor), in place: a ring's new entries at their
+    positions, every other state whole."""
+    offset = state[0][rows].clone()  # before the step: where the rings' new entries go
+    for spec, tensor, new in zip(specs, state, outputs):
+        if spec.ring is None:
+            tensor[rows] = new
+            continue
+        axis = 1 + spec.ring
+        index = torch.arange(tensor.shape[0], device=tensor.device)[rows]
+        positions = torch.remainder(offset.view(-1, 1) + torch.arange(new.shape[axis], device=offset.device),
+                                    tensor.shape[axis])
+        # rows and positions first, as advanced indexing puts them: [B, new entries, ...]
+        tensor.movedim(axis, 1)[index.view(-1, 1), positions] = new.movedim(axis, 1).to(tensor)
 
 
 def _weight_layout(module: nn.Module, layout: str) -> torch.Tensor:
@@ -105,14 +131,17 @@ class _StateIO:
         self._batch, self._like = batch, like
         self.weights = weights
         self.taken: list[torch.Tensor] = []
+        self.rings: list[int | None] = []  # of each state taken: its ring axis, if a ring
         self.given: list[torch.Tensor] = []
 
-    def take(self, *shape: int) -> torch.Tensor:
+    def take(self, *shape: int, ring: int | None = None) -> torch.Tensor:
+        """The next state tensor, [B, *shape]; `ring`: see TensorSpec (give its new entries)."""
         if self._incoming is None:
             state = self._like.new_zeros((self._batch, *shape))
         else:
             state = next(self._incoming)
         self.taken.append(state)
+        self.rings.append(ring)
         return state
 
     def give(self, state: torch.Tensor) -> None:
@@ -209,13 +238,13 @@ def _seanet(module: nn.Module, x: torch.Tensor, io: _StateIO) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Positions:
     """What every attention layer of a step shares: RoPE's rotation of the step's positions
-    ([B, 1, T, D / 2] each), the ring slot each new key goes to ([B, T]) and the additive
-    mask of what each query sees ([B, 1, T, context])."""
+    ([B, 1, T, D / 2] each) and the additive masks of what the queries see: of the ring's
+    entries ([B, 1, 1, context]) and of the step's new keys ([T, T])."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    slots: torch.Tensor
-    mask: torch.Tensor
+    ring_mask: torch.Tensor
+    new_mask: torch.Tensor
 
 
 def _positions(attn, offset: torch.Tensor, T: int, dtype: torch.dtype) -> _Positions:
@@ -225,15 +254,20 @@ def _positions(attn, offset: torch.Tensor, T: int, dtype: torch.dtype) -> _Posit
     freqs = torch.exp(torch.arange(D // 2, device=device, dtype=torch.float32)
                       * (-math.log(attn.rope.max_period) * 2 / D))
     angles = freqs * (offset.float().view(-1, 1) + torch.arange(T, device=device, dtype=torch.float32)).view(B, 1, T, 1)
-    pos_q = offset.view(B, 1) + torch.arange(T, device=device)           # [B, T]
-    last = pos_q[:, T - 1:]
-    # ring slot i holds the newest position congruent to i that this step has written
-    slot = torch.arange(context, device=device)
-    pos_k = last - torch.remainder(last - slot, context)                 # [B, context]
-    delta = pos_q[:, :, None] - pos_k[:, None, :]
-    visible = (pos_k[:, None, :] >= 0) & (delta >= 0) & (delta < context)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
-    return _Positions(torch.cos(angles), torch.sin(angles), torch.remainder(pos_q, context), mask[:, None])
+    # Ring slot i holds the newest position congruent to i before this step. moshi writes the
+    # step's T keys first, displacing positions offset + t - context, then lets each query see
+    # what the ring holds within `context` of it: the ring's positions from offset + T - context
+    # on (all before every query), and the new keys causally.
+    last = offset.view(B, 1) - 1
+    pos_k = last - torch.remainder(last - torch.arange(context, device=device), context)  # [B, context]
+    kept = (pos_k >= 0) & (pos_k >= offset.view(B, 1) + T - context)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return _Positions(torch.cos(angles), torch.sin(angles), _additive(kept, dtype).view(B, 1, 1, context),
+                      _additive(causal, dtype))
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
 def _rope(qk: torch.Tensor, positions: _Positions) -> torch.Tensor:
@@ -268,14 +302,17 @@ def _attention_layer(layer: StreamingTransformerLayer, x: torch.Tensor, position
     v = qkv[2]
 
     # The keys and values of the last `context` positions, each in the ring slot of its
-    # position: a step writes its T new ones in place of the oldest. Keys are kept transposed,
-    # as the scores take them.
-    keys = io.take(H, D, context).scatter(3, positions.slots.view(B, 1, 1, T).expand(B, H, D, T), k.transpose(2, 3))
-    values = io.take(H, context, D).scatter(2, positions.slots.view(B, 1, T, 1).expand(B, H, T, D), v)
-    io.give(keys)
-    io.give(values)
-    scores = torch.matmul(q * D ** -0.5, keys) + positions.mask
-    out = torch.matmul(torch.softmax(scores, dim=-1), values)
+    # position (keys transposed, as the scores take them); the step's T new ones go in in
+    # place of the oldest, after the step (write_state).
+    keys, values = io.take(H, D, context, ring=2), io.take(H, context, D, ring=1)
+    new_keys = k.transpose(2, 3)
+    io.give(new_keys)
+    io.give(v)
+    q = q * D ** -0.5
+    scores = torch.cat([torch.matmul(q, keys) + positions.ring_mask,
+                        torch.matmul(q, new_keys) + positions.new_mask], dim=-1)
+    weights = torch.softmax(scores, dim=-1)
+    out = torch.matmul(weights[..., :context], values) + torch.matmul(weights[..., context:], v)
     x = x + layer.layer_scale_1(attn.out_projs[0](out.transpose(1, 2).reshape(B, T, H * D)))
     update = layer.linear2(layer.activation(layer.linear1(layer.norm2(x))))
     return x + layer.layer_scale_2(update)
@@ -331,19 +368,32 @@ class MimiStep(nn.Module):
         return round(self.mimi.encoder_frame_rate / self.mimi.frame_rate)
 
     @torch.no_grad()
-    def initial_state(self, batch: int) -> list[torch.Tensor]:
-        """A fresh stream: offset 0 and zeroed state tensors, on Mimi's device."""
+    def _dry_run(self, batch: int) -> tuple[torch.Tensor, _StateIO]:
+        """A step of fresh streams, which take zeroed states: (their offset, the step's io)."""
         like = self._like
         io = _StateIO(None, batch, like, self._weights)
         x = torch.zeros((batch, *self.input.shape), dtype=self.input.dtype, device=like.device)
         offset = torch.zeros(batch, dtype=torch.long, device=like.device)
         self._step(x, offset, io)
+        return offset, io
+
+    def initial_state(self, batch: int) -> list[torch.Tensor]:
+        """A fresh stream: offset 0 and zeroed state tensors, on Mimi's device."""
+        offset, io = self._dry_run(batch)
         return [offset, *io.taken]
 
+    def specs(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """The state's specs (offset first) and the outputs' (the step's output first)."""
+        offset, io = self._dry_run(1)
+        states = [TensorSpec("offset", (), torch.long)] + [
+            TensorSpec(f"state{i}", tuple(s.shape[1:]), s.dtype, ring)
+            for i, (s, ring) in enumerate(zip(io.taken, io.rings))]
+        outputs = [self.output] + [TensorSpec(f"{spec.name}_out", tuple(out.shape[1:]), out.dtype, spec.ring)
+                                   for spec, out in zip(states, [offset, *io.given])]
+        return states, outputs
+
     def state_specs(self) -> list[TensorSpec]:
-        states = self.initial_state(1)
-        return [TensorSpec("offset", (), torch.long)] + [
-            TensorSpec(f"state{i}", tuple(s.shape[1:]), s.dtype) for i, s in enumerate(states[1:])]
+        return self.specs()[0]
 
 
 class MimiDecoderStep(MimiStep):

@@ -2,7 +2,7 @@
 
 The pool holds every slot's state tensors ([slots, ...] each, offset first); a tick gathers
 the rows of the slots with a frame (a view when they are consecutive), runs one step of them
-on the runner and writes their new state back. A fresh stream is all zeros, so a reset zeroes
+on the runner and writes what changed back (rings: only their new entries). A fresh stream is all zeros, so a reset zeroes
 a row.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .mimi_runtime import StepRunner
-from .mimi_steps import STEPS
+from .mimi_steps import STEPS, write_state
 
 
 class MimiSlots:
@@ -36,9 +36,8 @@ class MimiSlots:
         x = x.view(len(slots), *self.input.shape).to(self.runner.device)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         rows = slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, device=x.device)
-        y, new_state = self.runner.run(x, [tensor[rows] for tensor in self.state])
-        for tensor, new in zip(self.state, new_state):
-            tensor[rows] = new.to(tensor.device)
+        y, outputs = self.runner.run(x, [tensor[rows] for tensor in self.state])
+        write_state(self.state, rows, outputs, self.runner.state_specs)
         return slots, y
 
     def encode(self, frames: dict[int, np.ndarray]) -> dict[int, torch.Tensor]:

@@ -69,6 +69,41 @@ class TokenGrid:
         dst = (o % CT)[:, None, None].expand(b, K, 1)
         return o, cache.gather(2, src)[:, :, 0], cache.gather(2, dst)[:, :, 0], provided.gather(2, dst)[:, :, 0]
 
+    def play_forced(self, forced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """M steps of row 0 with every stream forced ([M, K] tokens), at once: the grid is left
+        as M `read`s and `write`s of the row, active, leave it (a persona's prefill, whose
+        hundreds of steps would each cost a few dozen tiny ops). Returns what each step reads:
+        the tokens of position o - 1 and whether position o was forced, [M, K] each.
+
+        Step i (o = o0 + i) writes position o + delay, a delayed stream's initial token at o
+        while o <= delay, and clears `provided` at o - 1: no two steps write a stream's position,
+        and a later step writes larger positions. So the steps are laid out on a timeline of
+        positions o0 - 1 .. o0 + M - 1 + max_delay, and each ring slot ends with the largest
+        position written to it (the ring as it was where none is)."""
+        M, K, CT = forced.shape[0], self.num_codebooks, self.ring
+        o0 = int(self.offset[0])
+        n = M + 1 + self.max_delay                    # timeline index j: position o0 - 1 + j
+        j = torch.arange(n, device=self.device)
+        slot = (o0 - 1 + j) % CT
+        values = self.cache[0][:, slot]               # [K, n], where nothing is written: the ring's
+        written = torch.zeros(K, n, dtype=torch.bool, device=self.device)
+        steps = torch.arange(M, device=self.device)
+        at = steps[None, :] + 1 + self.delays[:, None]  # [K, M]: step i's forced token goes to o + delay
+        values.scatter_(1, at, forced.T.to(values))
+        written.scatter_(1, at, torch.ones_like(at, dtype=torch.bool))
+        at_start = (o0 + steps)[None, :] <= self.delays[:, None]  # [K, M], at o = o0 + i: j = i + 1
+        values[:, 1:M + 1] = torch.where(at_start, self.initial[:, None], values[:, 1:M + 1])
+        written[:, 1:M + 1] |= at_start
+        previous = values[:, :M].T
+        # position o was forced by this or an earlier step, or, for the first steps, before them
+        before = (steps[None, :] + 1 < CT) & self.provided[0][:, slot[1:M + 1]]
+        target_provided = (written[:, 1:M + 1] | before).T
+        provided = written & (j >= M)                 # step i clears j = i (o - 1), after any write there
+        self.cache[0] = _last_per_slot(values, written, slot, self.cache[0])
+        self.provided[0] = _last_per_slot(provided, written | (j < M), slot, self.provided[0])
+        self.offset[0] = o0 + M
+        return previous, target_provided
+
     def force(self, slots: torch.Tensor, o: torch.Tensor, streams: slice, values: torch.Tensor) -> None:
         """Force `values` [len(slots), streams] at o + delay, as a step at position o would have."""
         delays = self.delays[streams]
@@ -103,3 +138,12 @@ def _scatter(cache: torch.Tensor, provided: torch.Tensor, positions: torch.Tenso
     cache.scatter_(2, idx, torch.where(mask, values, current)[:, :, None])
     was = provided.gather(2, idx)[:, :, 0]
     provided.scatter_(2, idx, (was | mask)[:, :, None])
+
+
+def _last_per_slot(timeline: torch.Tensor, touched: torch.Tensor, slot: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+    """Per stream and ring slot, the timeline's value at the last index touched in that slot
+    ([K, n], slot [n]), else the ring's ([K, CT])."""
+    index = torch.arange(timeline.shape[1], device=timeline.device).expand_as(timeline)
+    last = torch.full(ring.shape, -1, dtype=torch.long, device=ring.device).scatter_reduce(
+        1, slot.expand_as(timeline), torch.where(touched, index, -1), "amax")
+    return torch.where(last >= 0, timeline.gather(1, last.clamp(min=0)), ring)

@@ -12,7 +12,7 @@ boost::interprocess lock_exception).
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations
-in it; the loop goes on. If the loop itself or the outbox's delivery dies, or the engine
+in it (ticker.py); the loop goes on. If the loop itself or the outbox's delivery dies, or the engine
 shuts down, every pending request gets an error and `failure` says why (the model's health
 signal).
 """
@@ -25,11 +25,12 @@ import time
 from typing import Any, Callable, Protocol
 
 from . import metrics as reasons
-from .answers import Answer, AnswerSender
+from .answers import AnswerSender, finish
 from .conversations import Conversation, ConversationError, ConversationTable, Request
-from .faults import FaultPlan, SlotFault
+from .faults import FaultPlan
 from .metrics import Metrics
 from .outbox import Outbox
+from .ticker import Ticker
 from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ class SlotEngine:
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics or Metrics()
         self.trace = FrameTrace(name)
-        self.tick_span = (0.0, 0.0)  # wall-clock start and end of the last tick, for the trace
-        self.faults = faults
         self.failure: str | None = None  # why the engine cannot go on
         self._cond = threading.Condition()
         self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
@@ -74,6 +73,7 @@ class SlotEngine:
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
         self._outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
             f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE))
+        self._ticker = Ticker(name, stage, self._cond, self._fail, self._outbox, self.metrics, faults)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -169,7 +169,7 @@ class SlotEngine:
                     for done in table.release(conv, self.stage.stop)]
             starting = table.take_starting()
         for done in owed:
-            self._answer(done, None)
+            finish(self.name, done, None)
         self._beat(now)
         self._poll_cancelled(now)
         if starting:  # a stage's start plays the persona's prefill: count those as prefilling meanwhile
@@ -179,7 +179,7 @@ class SlotEngine:
         with self._cond:
             batch = table.next_batch()
         if batch:
-            self._tick(batch)
+            self._ticker.tick(batch)
         self._report_occupancy()
         return True
 
@@ -219,72 +219,6 @@ class SlotEngine:
             log.exception("starting conversation %s failed", conv.key)
             self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)
 
-    def _ticked(self, batch) -> list[Conversation]:
-        """The conversations a tick steps: those with an item, less any ended meanwhile (by a
-        failed send or a lost frame, on other threads)."""
-        with self._cond:
-            return [conv for slot, (conv, _, _, _) in batch.items() if conv.slot == slot]
-
-    def _step(self, batch) -> dict | None:
-        """The stage's tick over `batch`; None if it failed for good (its conversations got the
-        error). A fault that names a slot ends that conversation and the rest step again."""
-        retried = False
-        while True:
-            ticked = self._ticked(batch)
-            if not ticked:
-                return None
-            started = time.monotonic()
-            try:
-                if self.faults is not None:
-                    self.faults.before_tick({c.key: c.slot for c in ticked})
-                self.tick_span = (time.time(), None)
-                outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
-                self.tick_span = (self.tick_span[0], time.time())
-            except SlotFault as exc:
-                culprit = next((c for c in ticked if c.slot == exc.slot), None)
-                if culprit is not None:
-                    log.error("%s: step failed in conversation %s: %s", self.name, culprit.key, exc)
-                    batch.pop(exc.slot, None)
-                    self._fail(culprit, f"internal error while stepping this conversation: {exc}", reasons.INTERNAL)
-                    continue
-                error = exc
-            except Exception as exc:
-                error = exc
-            else:
-                self.metrics.tick(time.monotonic() - started)
-                return outputs
-            if not retried:
-                log.warning("%s: step failed (%s); retrying it once", self.name, error)
-                retried = True
-                continue
-            log.error("%s: step failed twice; ending the %d conversations in it", self.name, len(ticked),
-                      exc_info=error)
-            for conv in ticked:
-                self._fail(conv, f"internal error while stepping: {error}", reasons.INTERNAL)
-            return None
-
-    def _tick(self, batch) -> None:
-        outputs = self._step(batch)
-        if outputs is None:
-            return
-        answers = []
-        for slot, (conv, request, _, queued) in batch.items():
-            if conv.slot != slot:  # ended while stepping
-                continue
-            if slot not in outputs:
-                self._fail(conv, "internal error: the stage produced no output for a frame", reasons.INTERNAL)
-                continue
-            answers.append(Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
-            conv.answered += 1
-        self._outbox.put(answers)
-
-    def _answer(self, on_done, error: str | None) -> None:
-        """Complete a request; a failure to is logged, never raised into the loop."""
-        try:
-            on_done(error)
-        except Exception:
-            log.exception("%s: answering a request failed", self.name)
-
     def _fail(self, conv: Conversation, message: str, reason: str) -> None:
         """End a conversation: every request it still owes answers to gets the error."""
         with self._cond:
@@ -295,7 +229,7 @@ class SlotEngine:
             owed += self._table.release(conv, self.stage.stop)
         for on_done in owed:
             self.metrics.rejected(reason)
-            self._answer(on_done, message)
+            finish(self.name, on_done, message)
 
     def _stop_all(self, message: str, reason: str) -> None:
         """The engine cannot go on: every pending request gets `message`; nothing more is admitted."""

@@ -11,7 +11,7 @@ cb0..7 (ready for the Mimi decoder) and the user's echo.
 Every slot keeps its own position, so slots join, idle and leave independently: rows outside
 `active` are left untouched (moshi's exec mask keeps their transformer state).
 
-A step runs on the first `b` slots only, `b` a batch bucket (1, 2, 4, ... up to the pool): the
+A step runs on the first `b` slots only, `b` a batch bucket (buckets.py: 1, 2, 4, ... up to the pool): the
 streaming state of every module is viewed as its first `b` rows (slot_states.py), so a tick of 3 conversations
 in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there is one graph per
 (batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
@@ -25,47 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from dataclasses import dataclass
 
 import torch
 from moshi.utils.compile import CUDAGraphed
 
 from . import fused_ops, kv_cache, loaders, ring_attention
+from .buckets import batch_buckets, bucket_for
 from .model_step import ModelStep
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
+from .step_inputs import StepInputs, forced_tokens
 from .token_grid import NUM_AUDIO, TokenGrid
+
+__all__ = ["SlotGenerator", "StepInputs"]
+
 PREFILL_CHUNK = 256  # prefill positions per transformer pass
-
-
-def batch_buckets(num_slots: int) -> tuple[int, ...]:
-    """The batch sizes a step runs at: powers of two below the pool, then the pool."""
-    sizes = [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots]
-    return (*sizes, num_slots)
-
-
-def bucket_for(value: int, buckets) -> int:
-    """The smallest bucket >= value."""
-    for bucket in buckets:
-        if bucket >= value:
-            return bucket
-    raise ValueError(f"{value} is above the largest bucket {buckets[-1]}")
-
-
-@dataclass
-class StepInputs:
-    """What is forced at one step, for the first b slots (b a batch bucket): [b] masks,
-    [b, 8] codes, [b] text tokens."""
-
-    active: torch.Tensor
-    user_codes: torch.Tensor
-    agent_codes: torch.Tensor
-    agent_forced: torch.Tensor
-    text_token: torch.Tensor
-    text_forced: torch.Tensor
-    embeddings: torch.Tensor | None = None  # [S, 1, dim], replaces the token embeddings where embed_rows
-    embed_rows: torch.Tensor | None = None
-    user_later: bool = False  # the user's codes come after the step, through `force_user`
 
 
 class SlotGenerator:
@@ -181,7 +155,7 @@ class SlotGenerator:
         # replays a graph. (Not `inference_mode(False)`: that turns grad mode on.)
         cpu_only = torch.inference_mode() if self.device.type == "cpu" else contextlib.nullcontext()
         with self.states.first(b), cpu_only:
-            return self._graphed_step(b)(active, *_forced(inputs, self.device), embeddings.to(self.device),
+            return self._graphed_step(b)(active, *forced_tokens(inputs, self.device), embeddings.to(self.device),
                                          embed_rows.to(self.device))
 
     @torch.no_grad()
@@ -198,7 +172,7 @@ class SlotGenerator:
         tokens, given = [], []
         for i, (inputs, restore_cache) in enumerate(steps):
             active = inputs.active.cpu()
-            o, previous, target, target_provided = grid.read(rows, active, *_forced(inputs, "cpu"))
+            o, previous, target, target_provided = grid.read(rows, active, *forced_tokens(inputs, "cpu"))
             if not bool(target_provided.all()):
                 raise ValueError("a prefill step must force every stream")
             grid.write(rows, o, active, target, target_provided)
@@ -266,13 +240,3 @@ class SlotGenerator:
                 gc.collect()
             self._graphs[key] = CUDAGraphed(self._step, disable=not self.cuda_graphs)
         return self._graphs[key]
-
-
-def _forced(inputs: StepInputs, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's forced tokens [b, K] in the grid's stream order, and where they are forced."""
-    b = inputs.active.shape[0]
-    forced = torch.cat([inputs.text_token.view(b, 1), inputs.agent_codes, inputs.user_codes], dim=1).to(device)
-    user_forced = torch.full((b, NUM_AUDIO), not inputs.user_later, dtype=torch.bool, device=inputs.active.device)
-    is_forced = torch.cat([inputs.text_forced.view(b, 1), inputs.agent_forced.view(b, 1).expand(b, NUM_AUDIO),
-                           user_forced], dim=1)
-    return forced, is_forced.to(device)

@@ -22,12 +22,14 @@ import numpy as np
 import torch
 
 from . import kv_cache, loaders
+from .buckets import bucket_for
 from .faults import SlotFault
-from .generation import NUM_AUDIO, SlotGenerator, StepInputs, bucket_for
+from .generation import SlotGenerator, StepInputs
 from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
 from .sampling import SamplingParams
+from .token_grid import NUM_AUDIO
 
 
 @dataclass

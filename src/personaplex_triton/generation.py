@@ -39,8 +39,6 @@ from .token_grid import NUM_AUDIO, TokenGrid
 
 __all__ = ["SlotGenerator", "StepInputs"]
 
-PREFILL_CHUNK = 256  # prefill positions per transformer pass
-
 
 class SlotGenerator:
     """The token grids of `num_slots` conversations over one streaming `LMModel`."""
@@ -157,42 +155,6 @@ class SlotGenerator:
         with self.states.first(b), cpu_only:
             return self._graphed_step(b)(active, *forced_tokens(inputs, self.device), embeddings.to(self.device),
                                          embed_rows.to(self.device))
-
-    @torch.no_grad()
-    def prefill(self, slot: int, steps: list) -> torch.Tensor:
-        """Play a persona's prefill into a freshly started `slot` at once: every token of a
-        prefill step is forced, so its samples are never used and the depformer need not run.
-        The token grid plays the steps on a CPU copy of the slot's row; the temporal transformer
-        then takes all the steps' input embeddings in chunked passes, as an LLM takes a prompt.
-        `steps`: (StepInputs of one row, every stream forced; a ring buffer to restore after the
-        step, or None). Returns the input embeddings [M, 1, dim]."""
-        if not steps:
-            return torch.zeros(0, 1, self.lm.dim, device=self.device)
-        grid, rows = self.grid.row(slot, "cpu"), slice(0, 1)
-        tokens, given = [], []
-        for i, (inputs, restore_cache) in enumerate(steps):
-            active = inputs.active.cpu()
-            o, previous, target, target_provided = grid.read(rows, active, *forced_tokens(inputs, "cpu"))
-            if not bool(target_provided.all()):
-                raise ValueError("a prefill step must force every stream")
-            grid.write(rows, o, active, target, target_provided)
-            if restore_cache is not None:
-                grid.cache[0] = restore_cache
-            tokens.append(previous)
-            if inputs.embeddings is not None:
-                given.append((i, inputs.embeddings.view(1, -1)))
-        self.grid.put_row(slot, grid)
-        embeddings = self.embed(torch.cat(tokens).to(self.device))  # [M, 1, dim]
-        if given:  # a voice bundle's own input embeddings replace the tokens'
-            index, values = zip(*given)
-            embeddings[list(index), 0] = torch.cat(values).to(embeddings)
-        exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        exec_mask[slot] = True
-        self.lm.set_exec_mask(exec_mask)
-        with self.states.slot(slot):
-            for chunk in embeddings.transpose(0, 1).split(PREFILL_CHUNK, dim=1):
-                self.lm.transformer(chunk)
-        return embeddings
 
     def force_user(self, slots: list[int], positions: torch.Tensor, codes: torch.Tensor) -> None:
         """The user's codes [len(slots), 8] of the steps these slots took at `positions` with

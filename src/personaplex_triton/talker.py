@@ -28,6 +28,7 @@ from .generation import SlotGenerator, StepInputs
 from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
+from .prefill import prefill
 from .sampling import SamplingParams
 from .token_grid import NUM_AUDIO
 
@@ -190,7 +191,7 @@ class Talker:
         self._unencoded.pop(slot, None)  # the next start resets the slot
 
     def play(self, slot: int, program: Iterator[PrefillStep]) -> torch.Tensor:
-        """Play prefill steps into a started slot at once (SlotGenerator.prefill); returns the
+        """Play prefill steps into a started slot at once (prefill.py); returns the
         input embeddings of the steps that ran the model [M, 1, dim]."""
         self.settle()
         steps = []
@@ -207,7 +208,7 @@ class Talker:
                 embeddings=None if step.embedding is None else step.embedding.view(1, 1, -1),
                 embed_rows=None if step.embedding is None else torch.ones(1, dtype=torch.bool))
             steps.append((inputs, step.restore_cache))
-        return self.generator.prefill(slot, steps)
+        return prefill(self.generator, slot, steps)
 
     def text_piece(self, token: int) -> str:
         """The text of a sampled token; padding and other special ids give ''."""

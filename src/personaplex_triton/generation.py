@@ -11,29 +11,26 @@ cb0..7 (ready for the Mimi decoder) and the user's echo.
 Every slot keeps its own position, so slots join, idle and leave independently: rows outside
 `active` are left untouched (moshi's exec mask keeps their transformer state).
 
-A step runs on the first `b` slots only, `b` a batch bucket (buckets.py: 1, 2, 4, ... up to the pool): the
-streaming state of every module is viewed as its first `b` rows (slot_states.py), so a tick of 3 conversations
-in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there is one graph per
-(batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
-client sends makes the server capture another. On CUDA, a one-frame step's attention reads only
-the KV entries each slot has written (ring_attention.py), and each RMS norm and gating activation
-is one kernel (fused_ops.py); moshi's modules are the reference.
-The KV cache holds the model's dtype, or float8_e4m3fn (kv_cache.py).
+A step runs on the first `b` slots only, `b` a batch bucket (buckets.py): the streaming state
+of every module is viewed as its first `b` rows (slot_states.py). On GPUs the step runs under
+CUDA graphs (step_graphs.py). On CUDA, a one-frame step's attention reads only the KV entries
+each slot has written (ring_attention.py), and each RMS norm and gating activation is one
+kernel (fused_ops.py); moshi's modules are the reference. The KV cache holds the model's dtype,
+or float8_e4m3fn (kv_cache.py). A persona's prefill is played into a slot apart (prefill.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 
 import torch
-from moshi.utils.compile import CUDAGraphed
 
 from . import fused_ops, kv_cache, loaders, ring_attention
 from .buckets import batch_buckets, bucket_for
 from .model_step import ModelStep
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
+from .step_graphs import StepGraphs
 from .step_inputs import StepInputs, forced_tokens
 from .token_grid import NUM_AUDIO, TokenGrid
 
@@ -59,7 +56,6 @@ class SlotGenerator:
         self.top_k_bound = loaders.TOP_K_BUCKETS[0]
         self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
         self.buckets = batch_buckets(num_slots)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.ring_attention = ring and ring_attention.available(device)
         if self.ring_attention:
             ring_attention.install(lm.transformer)
@@ -69,7 +65,7 @@ class SlotGenerator:
             fused_ops.uninstall(lm)
         self.kv_dtype = kv_dtype or next(lm.parameters()).dtype
         kv_cache.store_in(lm.transformer, self.kv_dtype)
-        self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
+        self.graphs = StepGraphs(self._step, cuda_graphs and device.type == "cuda")
         self._unembedded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
@@ -78,7 +74,7 @@ class SlotGenerator:
         self.states = SlotStates(lm.transformer, num_slots, self.buckets)
 
     def close(self) -> None:
-        self._graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
+        self.graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
         self._streaming.__exit__(None, None, None)
 
     # -- slot life cycle -------------------------------------------------------------------
@@ -116,21 +112,6 @@ class SlotGenerator:
         return x + lm.text_emb(tokens[:, 0:1])
 
     # -- one batched step ------------------------------------------------------------------
-    def capture_graphs(self) -> int:
-        """Capture every graph serving can use (each batch bucket x top-k bucket) by running a
-        step with no slot active, which leaves every slot's state as it was. Returns how many."""
-        if not self.cuda_graphs:
-            return 0
-        bounds = (self.top_k_text_bound, self.top_k_bound)
-        for b in self.buckets:
-            idle = self._idle_inputs(b)
-            for self.top_k_text_bound in loaders.TOP_K_TEXT_BUCKETS:
-                for self.top_k_bound in loaders.TOP_K_BUCKETS:
-                    for _ in range(2):  # moshi's CUDAGraphed: a warm-up call, then the capture
-                        self.step(idle)
-        self.top_k_text_bound, self.top_k_bound = bounds
-        return len(self._graphs)
-
     @torch.no_grad()
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Advance every active slot among the first b by one position (b = the inputs' rows,
@@ -153,8 +134,8 @@ class SlotGenerator:
         # replays a graph. (Not `inference_mode(False)`: that turns grad mode on.)
         cpu_only = torch.inference_mode() if self.device.type == "cpu" else contextlib.nullcontext()
         with self.states.first(b), cpu_only:
-            return self._graphed_step(b)(active, *forced_tokens(inputs, self.device), embeddings.to(self.device),
-                                         embed_rows.to(self.device))
+            return self.graphs.get(b, self.top_k_text_bound, self.top_k_bound)(
+                active, *forced_tokens(inputs, self.device), embeddings.to(self.device), embed_rows.to(self.device))
 
     def force_user(self, slots: list[int], positions: torch.Tensor, codes: torch.Tensor) -> None:
         """The user's codes [len(slots), 8] of the steps these slots took at `positions` with
@@ -181,24 +162,3 @@ class SlotGenerator:
             self._unembedded[b] = (torch.zeros(b, 1, self.lm.dim, dtype=dtype, device=self.device),
                                    torch.zeros(b, dtype=torch.bool, device=self.device))
         return self._unembedded[b]
-
-    def _idle_inputs(self, b: int) -> StepInputs:
-        """A step of b rows with none active: it changes no slot's state."""
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-        return StepInputs(active=zeros(b, dtype=torch.bool), user_codes=zeros(b, NUM_AUDIO),
-                          agent_codes=zeros(b, NUM_AUDIO), agent_forced=zeros(b, dtype=torch.bool),
-                          text_token=zeros(b), text_forced=zeros(b, dtype=torch.bool))
-
-    def _graphed_step(self, b: int) -> CUDAGraphed:
-        """`_step` under a CUDA graph on GPUs (eager PyTorch is launch-bound there): the grid's
-        bookkeeping, the embeddings and the model in one launch. One graph per batch bucket and
-        top-k bucket, as those set the shapes."""
-        key = (b, self.top_k_text_bound, self.top_k_bound)
-        if key not in self._graphs:
-            # A CUDA graph freed while another is being captured (by a garbage collection of
-            # some unclosed generator, say) invalidates that capture: collect before it.
-            if self.cuda_graphs:
-                gc.collect()
-            self._graphs[key] = CUDAGraphed(self._step, disable=not self.cuda_graphs)
-        return self._graphs[key]

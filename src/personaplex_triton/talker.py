@@ -30,6 +30,7 @@ from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
 from .prefill import prefill
 from .sampling import SamplingParams
+from .step_graphs import capture_graphs
 from .token_grid import NUM_AUDIO
 
 
@@ -136,7 +137,7 @@ class Talker:
         self.num_slots = num_slots
         self.device = lm.device
         self.generator = SlotGenerator(lm, num_slots, cuda_graphs, ring_attention, kv_dtype)
-        self.graphs = self.generator.capture_graphs()
+        self.graphs = capture_graphs(self.generator)
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)
         self._vocab = tokenizer.get_piece_size()

@@ -25,12 +25,12 @@ from . import kv_cache, loaders
 from .buckets import bucket_for
 from .faults import SlotFault
 from .generation import SlotGenerator, StepInputs
+from .graph_capture import capture_graphs
 from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
 from .prefill import prefill
 from .sampling import SamplingParams
-from .step_graphs import capture_graphs
 from .token_grid import NUM_AUDIO
 
 

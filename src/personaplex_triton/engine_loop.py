@@ -4,7 +4,8 @@ A pass closes conversations idle too long, releases the slots of ended ones, sta
 (a stage's start sets its slot up in full: the talker plays the persona's prefill there), then
 ticks the batch the table picks. Between ticks it beats (the model's health signal), asks
 pending requests whether their client is gone, and keeps the occupancy gauges. If the loop
-itself dies, every pending request gets an error (`stop_all`), and the outbox is closed.
+itself dies, every pending request gets an error (`stop_all`); however it ends, the outbox then
+delivers what it holds and stops.
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
     the reference's state, then the conversation goes on from the reference's. Agreement from
     one state, not of two free runs: with random weights one flipped near-tie sends two free
     runs apart for good."""
-    from personaplex_triton.generation import NUM_AUDIO, SlotGenerator, StepInputs
+    from personaplex_triton.generation import SlotGenerator, StepInputs
     from personaplex_triton.sampling import SamplingParams
+    from personaplex_triton.token_grid import NUM_AUDIO
 
     twin = copy.deepcopy(lm, memo={id(t): t for t in (*lm.parameters(), *lm.buffers())})  # own streaming state
     generators = [SlotGenerator(model, 1, cuda_graphs=False, **options)

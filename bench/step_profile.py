@@ -76,8 +76,13 @@ def profile_tree(args) -> dict:
     for b in args.slots:
         inputs = step_inputs(b)
         rows.append({"slots": b, "graphed_ms": timed(lambda: generator.step(inputs), args.steps)})
-    generator.cuda_graphs = False  # the same step's kernels, launched one by one for the profiler
-    generator._graphs.clear()
+    # the same step's kernels, launched one by one for the profiler
+    if hasattr(generator, "graphs"):
+        generator.graphs.enabled = False
+        generator.graphs.clear()
+    else:  # a base tree from before step_graphs.py
+        generator.cuda_graphs = False
+        generator._graphs.clear()
     for row in rows:
         row.update(kernels(generator, step_inputs(row["slots"])))
         print({k: v for k, v in row.items() if k != "top"}, flush=True)

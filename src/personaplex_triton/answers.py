@@ -3,7 +3,8 @@
 `AnswerSender.deliver` runs on the engine's outbox thread (outbox.py), a tick's answers at a
 time. Each answer goes to its request in order, the request's last one completing it; a send
 that fails ends that conversation only (the engine's `fail`). Every answer sent is counted in
-the metrics and, when tracing, timed into the frame trace.
+the metrics and, when tracing, timed into the frame trace. `finish` completes a request
+otherwise (an error, or an empty closing request at its conversation's release).
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from .metrics import Metrics
 from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
+
+
+def finish(name: str, on_done: Callable[[str | None], None], error: str | None) -> None:
+    """Complete a request; a failure to is logged, never raised into the engine's threads."""
+    try:
+        on_done(error)
+    except Exception:
+        log.exception("%s: answering a request failed", name)
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 `ConversationTable` is the engine's scheduler. It admits conversations (evicting an idle one
 when every slot is taken), queues their requests' items, picks each tick's batch (at most one
-item a slot) and frees slots. It is plain data, not thread-safe: `SlotEngine` calls it under
-its lock, and calls the stage and the requests' callbacks outside it.
+item a slot) and frees slots. It is plain data, not thread-safe: the engine (engine.py,
+engine_loop.py) calls it under its lock, and calls the stage and the requests' callbacks outside it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""A background loop that advances a pool of conversation slots in lockstep ticks.
+"""A pool of conversation slots that a background loop advances in lockstep ticks.
 
 Both stages run on it: a stage owns per-slot model state and answers `tick(items)` with one
-batched step; the engine's ConversationTable (conversations.py) maps conversations to slots,
-queues each request's items and, each tick, hands each slot with items queued its next one. A
-stage's `start` sets its slot up in full before its first tick (the talker plays the persona's
-prefill there, on the engine thread). Requests only queue work (`execute()` returns at once);
-answers go back through each request's callbacks, in order, from the engine's outbox thread
-(outbox.py, answers.py): the next tick need not wait for the sends. Only one thread sends:
-tritonserver 2.51 aborts when a Python-backend stub sends from several at once (a
-boost::interprocess lock_exception).
+batched step. `SlotEngine` is what request threads call; they only queue work (`execute()`
+returns at once). Its parts, as in vLLM's engine: the scheduler, ConversationTable
+(conversations.py), maps conversations to slots, queues each request's items and picks each
+tick's batch; the loop (engine_loop.py) frees, starts and ticks on the engine's thread; the
+tick (ticker.py) steps the stage; answers go back through each request's callbacks, in order,
+from the outbox thread (outbox.py, answers.py), so the next tick need not wait for the sends.
+Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub sends from several
+at once (a boost::interprocess lock_exception). The parts share the engine's lock, and end a
+conversation through its `_fail`.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations
@@ -25,19 +26,19 @@ import time
 from typing import Any, Callable, Protocol
 
 from . import metrics as reasons
-from .answers import Answer, AnswerSender
+from .answers import AnswerSender, finish
 from .conversations import Conversation, ConversationError, ConversationTable, Request
-from .faults import FaultPlan, SlotFault
+from .engine_loop import EngineLoop
+from .faults import FaultPlan
 from .metrics import Metrics
 from .outbox import Outbox
+from .ticker import Ticker
 from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ConversationError", "SlotEngine", "Stage"]
 
-HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
-CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
 SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long before they get an error
 
 
@@ -58,28 +59,24 @@ class SlotEngine:
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py."""
         self.stage = stage
         self.name = name
-        self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics or Metrics()
         self.trace = FrameTrace(name)
-        self.tick_span = (0.0, 0.0)  # wall-clock start and end of the last tick, for the trace
-        self.faults = faults
         self.failure: str | None = None  # why the engine cannot go on
         self._cond = threading.Condition()
         self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
-        self._running = True
         self._admitting = True
-        self._last_cancel_poll = self._last_beat = 0.0
-        self._occupancy: tuple[int, int] | None = None
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
-        self._outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
+        outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
             f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE))
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults)
+        self._loop = EngineLoop(name, stage, self._cond, self._table, ticker, outbox, self._fail, self._stop_all,
+                                self.metrics, idle_timeout_s)
+        self._loop.start()
 
     @property
     def healthy(self) -> bool:
-        return self.failure is None and self._thread.is_alive()
+        return self.failure is None and self._loop.is_alive()
 
     # -- called from request threads -------------------------------------------------------
     def open(self, key: int, setup: Any, restart: bool = False) -> None:
@@ -132,159 +129,14 @@ class SlotEngine:
             self._admitting = False
             # until every pending request is answered and every ended conversation released
             # (answers leave from the outbox, releases from the loop)
-            while self._thread.is_alive() and self._table.owes_work() and time.monotonic() < deadline:
+            while self._loop.is_alive() and self._table.owes_work() and time.monotonic() < deadline:
                 self._cond.wait(0.1)
-            self._running = False
+            self._loop.running = False
             self._cond.notify_all()
-        self._thread.join(timeout=10)
+        self._loop.join(timeout=10)
         self._stop_all("the server is shutting down", reasons.UNAVAILABLE)
 
-    # -- the engine thread -----------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while self._pass():
-                pass
-        except BaseException as exc:  # the loop must never die silently
-            log.exception("%s: the engine loop failed", self.name)
-            self._stop_all(f"internal error: the {self.name} engine stopped ({type(exc).__name__}: {exc})",
-                           reasons.UNAVAILABLE)
-        finally:
-            self._outbox.close()
-
-    def _pass(self) -> bool:
-        """One pass of the loop: free, start, tick; False once shut down."""
-        table = self._table
-        with self._cond:
-            if self._running and not (table.to_start or any(c.closable for c in table.all)
-                                      or any(c.queue for c in table.live())):
-                self._cond.wait(HEARTBEAT_S)
-            if not self._running:
-                return False
-            now = time.monotonic()
-            if self.idle_timeout_s is not None:
-                for conv in table.close_idle(now, self.idle_timeout_s):
-                    log.info("%s: conversation %s idle for %.0f s; closing it", self.name, conv.key,
-                             now - conv.last_active)
-            owed = [done for conv in [c for c in table.all if c.closable]
-                    for done in table.release(conv, self.stage.stop)]
-            starting = table.take_starting()
-        for done in owed:
-            self._answer(done, None)
-        self._beat(now)
-        self._poll_cancelled(now)
-        if starting:  # a stage's start plays the persona's prefill: count those as prefilling meanwhile
-            self._report_occupancy(starting=len(starting))
-        for conv in starting:
-            self._start(conv)
-        with self._cond:
-            batch = table.next_batch()
-        if batch:
-            self._tick(batch)
-        self._report_occupancy()
-        return True
-
-    def _beat(self, now: float) -> None:
-        if now - self._last_beat >= HEARTBEAT_S / 2:
-            self._last_beat = now
-            self.metrics.alive(True)
-
-    def _poll_cancelled(self, now: float) -> None:
-        """Ask each conversation's oldest pending request whether its client is gone (a client
-        that goes cancels them all). A poll is a round trip to tritonserver: one a conversation,
-        and none for a request about to be answered. Polling every pending request made a
-        backlog self-sustaining on the H200: at 64 conversations thousands of frames were
-        pending, and their polls slowed the loop further."""
-        if now - self._last_cancel_poll < CANCEL_POLL_S:
-            return
-        self._last_cancel_poll = now
-        with self._cond:
-            oldest = [(c, c.requests[0]) for c in self._table.all if c.requests]
-        for conv, request in oldest:
-            if request.is_cancelled is not None and now - request.received >= CANCEL_POLL_S and request.cancelled():
-                log.info("%s: conversation %s was cancelled by its client; freeing its slot", self.name, conv.key)
-                self._fail(conv, "the request was cancelled", reasons.CANCELLED)
-
-    def _report_occupancy(self, starting: int = 0) -> None:
-        """The gauges: conversations holding a slot, and of them the `starting` ones (prefilling)."""
-        with self._cond:
-            occupancy = (len(self._table.live()), starting)
-        if occupancy != self._occupancy:
-            self._occupancy = occupancy
-            self.metrics.conversations(*occupancy)
-
-    def _start(self, conv: Conversation) -> None:
-        try:
-            self.stage.start(conv.slot, conv.setup)
-        except Exception as exc:  # a bad persona must not take the engine down
-            log.exception("starting conversation %s failed", conv.key)
-            self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)
-
-    def _ticked(self, batch) -> list[Conversation]:
-        """The conversations a tick steps: those with an item, less any ended meanwhile (by a
-        failed send or a lost frame, on other threads)."""
-        with self._cond:
-            return [conv for slot, (conv, _, _, _) in batch.items() if conv.slot == slot]
-
-    def _step(self, batch) -> dict | None:
-        """The stage's tick over `batch`; None if it failed for good (its conversations got the
-        error). A fault that names a slot ends that conversation and the rest step again."""
-        retried = False
-        while True:
-            ticked = self._ticked(batch)
-            if not ticked:
-                return None
-            started = time.monotonic()
-            try:
-                if self.faults is not None:
-                    self.faults.before_tick({c.key: c.slot for c in ticked})
-                self.tick_span = (time.time(), None)
-                outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
-                self.tick_span = (self.tick_span[0], time.time())
-            except SlotFault as exc:
-                culprit = next((c for c in ticked if c.slot == exc.slot), None)
-                if culprit is not None:
-                    log.error("%s: step failed in conversation %s: %s", self.name, culprit.key, exc)
-                    batch.pop(exc.slot, None)
-                    self._fail(culprit, f"internal error while stepping this conversation: {exc}", reasons.INTERNAL)
-                    continue
-                error = exc
-            except Exception as exc:
-                error = exc
-            else:
-                self.metrics.tick(time.monotonic() - started)
-                return outputs
-            if not retried:
-                log.warning("%s: step failed (%s); retrying it once", self.name, error)
-                retried = True
-                continue
-            log.error("%s: step failed twice; ending the %d conversations in it", self.name, len(ticked),
-                      exc_info=error)
-            for conv in ticked:
-                self._fail(conv, f"internal error while stepping: {error}", reasons.INTERNAL)
-            return None
-
-    def _tick(self, batch) -> None:
-        outputs = self._step(batch)
-        if outputs is None:
-            return
-        answers = []
-        for slot, (conv, request, _, queued) in batch.items():
-            if conv.slot != slot:  # ended while stepping
-                continue
-            if slot not in outputs:
-                self._fail(conv, "internal error: the stage produced no output for a frame", reasons.INTERNAL)
-                continue
-            answers.append(Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
-            conv.answered += 1
-        self._outbox.put(answers)
-
-    def _answer(self, on_done, error: str | None) -> None:
-        """Complete a request; a failure to is logged, never raised into the loop."""
-        try:
-            on_done(error)
-        except Exception:
-            log.exception("%s: answering a request failed", self.name)
-
+    # -- ending conversations, from any of the engine's threads ----------------------------
     def _fail(self, conv: Conversation, message: str, reason: str) -> None:
         """End a conversation: every request it still owes answers to gets the error."""
         with self._cond:
@@ -295,13 +147,13 @@ class SlotEngine:
             owed += self._table.release(conv, self.stage.stop)
         for on_done in owed:
             self.metrics.rejected(reason)
-            self._answer(on_done, message)
+            finish(self.name, on_done, message)
 
     def _stop_all(self, message: str, reason: str) -> None:
         """The engine cannot go on: every pending request gets `message`; nothing more is admitted."""
         with self._cond:
             self.failure = self.failure or message
-            self._running = False
+            self._loop.running = False
             conversations = list(self._table.all)
             self._table.open.clear()
         for conv in conversations:

@@ -11,61 +11,30 @@ cb0..7 (ready for the Mimi decoder) and the user's echo.
 Every slot keeps its own position, so slots join, idle and leave independently: rows outside
 `active` are left untouched (moshi's exec mask keeps their transformer state).
 
-A step runs on the first `b` slots only, `b` a batch bucket (1, 2, 4, ... up to the pool): the
-streaming state of every module is viewed as its first `b` rows (slot_states.py), so a tick of 3 conversations
-in slots 0..2 pays for 4 rows, not for the whole pool. Under CUDA graphs there is one graph per
-(batch bucket, top-k bucket), all captured by `capture_graphs()` when the model loads: nothing a
-client sends makes the server capture another. On CUDA, a one-frame step's attention reads only
-the KV entries each slot has written (ring_attention.py), and each RMS norm and gating activation
-is one kernel (fused_ops.py); moshi's modules are the reference.
-The KV cache holds the model's dtype, or float8_e4m3fn (kv_cache.py).
+A step runs on the first `b` slots only, `b` a batch bucket (buckets.py): the streaming state
+of every module is viewed as its first `b` rows (slot_states.py). On GPUs the step runs under
+CUDA graphs (step_graphs.py). On CUDA, a one-frame step's attention reads only the KV entries
+each slot has written (ring_attention.py), and each RMS norm and gating activation is one
+kernel (fused_ops.py); moshi's modules are the reference. The KV cache holds the model's dtype,
+or float8_e4m3fn (kv_cache.py). A persona's prefill is played into a slot apart (prefill.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-from dataclasses import dataclass
 
 import torch
-from moshi.utils.compile import CUDAGraphed
 
 from . import fused_ops, kv_cache, loaders, ring_attention
+from .buckets import batch_buckets, bucket_for
 from .model_step import ModelStep
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
+from .step_graphs import StepGraphs
+from .step_inputs import StepInputs, forced_tokens
 from .token_grid import NUM_AUDIO, TokenGrid
-PREFILL_CHUNK = 256  # prefill positions per transformer pass
 
-
-def batch_buckets(num_slots: int) -> tuple[int, ...]:
-    """The batch sizes a step runs at: powers of two below the pool, then the pool."""
-    sizes = [1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots]
-    return (*sizes, num_slots)
-
-
-def bucket_for(value: int, buckets) -> int:
-    """The smallest bucket >= value."""
-    for bucket in buckets:
-        if bucket >= value:
-            return bucket
-    raise ValueError(f"{value} is above the largest bucket {buckets[-1]}")
-
-
-@dataclass
-class StepInputs:
-    """What is forced at one step, for the first b slots (b a batch bucket): [b] masks,
-    [b, 8] codes, [b] text tokens."""
-
-    active: torch.Tensor
-    user_codes: torch.Tensor
-    agent_codes: torch.Tensor
-    agent_forced: torch.Tensor
-    text_token: torch.Tensor
-    text_forced: torch.Tensor
-    embeddings: torch.Tensor | None = None  # [S, 1, dim], replaces the token embeddings where embed_rows
-    embed_rows: torch.Tensor | None = None
-    user_later: bool = False  # the user's codes come after the step, through `force_user`
+__all__ = ["SlotGenerator", "StepInputs"]
 
 
 class SlotGenerator:
@@ -87,7 +56,6 @@ class SlotGenerator:
         self.top_k_bound = loaders.TOP_K_BUCKETS[0]
         self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
         self.buckets = batch_buckets(num_slots)
-        self.cuda_graphs = cuda_graphs and device.type == "cuda"
         self.ring_attention = ring and ring_attention.available(device)
         if self.ring_attention:
             ring_attention.install(lm.transformer)
@@ -97,7 +65,7 @@ class SlotGenerator:
             fused_ops.uninstall(lm)
         self.kv_dtype = kv_dtype or next(lm.parameters()).dtype
         kv_cache.store_in(lm.transformer, self.kv_dtype)
-        self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
+        self.graphs = StepGraphs(self._step, cuda_graphs and device.type == "cuda")
         self._unembedded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
@@ -106,7 +74,7 @@ class SlotGenerator:
         self.states = SlotStates(lm.transformer, num_slots, self.buckets)
 
     def close(self) -> None:
-        self._graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
+        self.graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
         self._streaming.__exit__(None, None, None)
 
     # -- slot life cycle -------------------------------------------------------------------
@@ -144,21 +112,6 @@ class SlotGenerator:
         return x + lm.text_emb(tokens[:, 0:1])
 
     # -- one batched step ------------------------------------------------------------------
-    def capture_graphs(self) -> int:
-        """Capture every graph serving can use (each batch bucket x top-k bucket) by running a
-        step with no slot active, which leaves every slot's state as it was. Returns how many."""
-        if not self.cuda_graphs:
-            return 0
-        bounds = (self.top_k_text_bound, self.top_k_bound)
-        for b in self.buckets:
-            idle = self._idle_inputs(b)
-            for self.top_k_text_bound in loaders.TOP_K_TEXT_BUCKETS:
-                for self.top_k_bound in loaders.TOP_K_BUCKETS:
-                    for _ in range(2):  # moshi's CUDAGraphed: a warm-up call, then the capture
-                        self.step(idle)
-        self.top_k_text_bound, self.top_k_bound = bounds
-        return len(self._graphs)
-
     @torch.no_grad()
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Advance every active slot among the first b by one position (b = the inputs' rows,
@@ -181,44 +134,8 @@ class SlotGenerator:
         # replays a graph. (Not `inference_mode(False)`: that turns grad mode on.)
         cpu_only = torch.inference_mode() if self.device.type == "cpu" else contextlib.nullcontext()
         with self.states.first(b), cpu_only:
-            return self._graphed_step(b)(active, *_forced(inputs, self.device), embeddings.to(self.device),
-                                         embed_rows.to(self.device))
-
-    @torch.no_grad()
-    def prefill(self, slot: int, steps: list) -> torch.Tensor:
-        """Play a persona's prefill into a freshly started `slot` at once: every token of a
-        prefill step is forced, so its samples are never used and the depformer need not run.
-        The token grid plays the steps on a CPU copy of the slot's row; the temporal transformer
-        then takes all the steps' input embeddings in chunked passes, as an LLM takes a prompt.
-        `steps`: (StepInputs of one row, every stream forced; a ring buffer to restore after the
-        step, or None). Returns the input embeddings [M, 1, dim]."""
-        if not steps:
-            return torch.zeros(0, 1, self.lm.dim, device=self.device)
-        grid, rows = self.grid.row(slot, "cpu"), slice(0, 1)
-        tokens, given = [], []
-        for i, (inputs, restore_cache) in enumerate(steps):
-            active = inputs.active.cpu()
-            o, previous, target, target_provided = grid.read(rows, active, *_forced(inputs, "cpu"))
-            if not bool(target_provided.all()):
-                raise ValueError("a prefill step must force every stream")
-            grid.write(rows, o, active, target, target_provided)
-            if restore_cache is not None:
-                grid.cache[0] = restore_cache
-            tokens.append(previous)
-            if inputs.embeddings is not None:
-                given.append((i, inputs.embeddings.view(1, -1)))
-        self.grid.put_row(slot, grid)
-        embeddings = self.embed(torch.cat(tokens).to(self.device))  # [M, 1, dim]
-        if given:  # a voice bundle's own input embeddings replace the tokens'
-            index, values = zip(*given)
-            embeddings[list(index), 0] = torch.cat(values).to(embeddings)
-        exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        exec_mask[slot] = True
-        self.lm.set_exec_mask(exec_mask)
-        with self.states.slot(slot):
-            for chunk in embeddings.transpose(0, 1).split(PREFILL_CHUNK, dim=1):
-                self.lm.transformer(chunk)
-        return embeddings
+            return self.graphs.get(b, self.top_k_text_bound, self.top_k_bound)(
+                active, *forced_tokens(inputs, self.device), embeddings.to(self.device), embed_rows.to(self.device))
 
     def force_user(self, slots: list[int], positions: torch.Tensor, codes: torch.Tensor) -> None:
         """The user's codes [len(slots), 8] of the steps these slots took at `positions` with
@@ -245,34 +162,3 @@ class SlotGenerator:
             self._unembedded[b] = (torch.zeros(b, 1, self.lm.dim, dtype=dtype, device=self.device),
                                    torch.zeros(b, dtype=torch.bool, device=self.device))
         return self._unembedded[b]
-
-    def _idle_inputs(self, b: int) -> StepInputs:
-        """A step of b rows with none active: it changes no slot's state."""
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-        return StepInputs(active=zeros(b, dtype=torch.bool), user_codes=zeros(b, NUM_AUDIO),
-                          agent_codes=zeros(b, NUM_AUDIO), agent_forced=zeros(b, dtype=torch.bool),
-                          text_token=zeros(b), text_forced=zeros(b, dtype=torch.bool))
-
-    def _graphed_step(self, b: int) -> CUDAGraphed:
-        """`_step` under a CUDA graph on GPUs (eager PyTorch is launch-bound there): the grid's
-        bookkeeping, the embeddings and the model in one launch. One graph per batch bucket and
-        top-k bucket, as those set the shapes."""
-        key = (b, self.top_k_text_bound, self.top_k_bound)
-        if key not in self._graphs:
-            # A CUDA graph freed while another is being captured (by a garbage collection of
-            # some unclosed generator, say) invalidates that capture: collect before it.
-            if self.cuda_graphs:
-                gc.collect()
-            self._graphs[key] = CUDAGraphed(self._step, disable=not self.cuda_graphs)
-        return self._graphs[key]
-
-
-def _forced(inputs: StepInputs, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's forced tokens [b, K] in the grid's stream order, and where they are forced."""
-    b = inputs.active.shape[0]
-    forced = torch.cat([inputs.text_token.view(b, 1), inputs.agent_codes, inputs.user_codes], dim=1).to(device)
-    user_forced = torch.full((b, NUM_AUDIO), not inputs.user_later, dtype=torch.bool, device=inputs.active.device)
-    is_forced = torch.cat([inputs.text_forced.view(b, 1), inputs.agent_forced.view(b, 1).expand(b, NUM_AUDIO),
-                           user_forced], dim=1)
-    return forced, is_forced.to(device)

@@ -1,7 +1,7 @@
 """The model's part of a generation step, for the first b slots of a pool: PersonaPlex's temporal
 transformer on a position's input embeddings, the text token, then the depformer over the agent's
 8 codebooks, each sampled per conversation (sampling.py). It runs inside the step's CUDA graph
-(generation.py): fixed shapes, no host syncs.
+(generation.py, step_graphs.py): fixed shapes, no host syncs.
 
 The depformer is moshi's modules and weights (`LMModel.forward_depformer` in a fresh
 `depformer.streaming`) with its streaming bookkeeping written out: each layer's keys and values

@@ -22,12 +22,16 @@ import numpy as np
 import torch
 
 from . import kv_cache, loaders
+from .buckets import bucket_for
 from .faults import SlotFault
-from .generation import NUM_AUDIO, SlotGenerator, StepInputs, bucket_for
+from .generation import SlotGenerator, StepInputs
+from .graph_capture import capture_graphs
 from .mimi_runtime import StepRunner
 from .mimi_stream import MimiSlots
 from .persona import Persona, VoicePrompt
+from .prefill import prefill
 from .sampling import SamplingParams
+from .token_grid import NUM_AUDIO
 
 
 @dataclass
@@ -133,7 +137,7 @@ class Talker:
         self.num_slots = num_slots
         self.device = lm.device
         self.generator = SlotGenerator(lm, num_slots, cuda_graphs, ring_attention, kv_dtype)
-        self.graphs = self.generator.capture_graphs()
+        self.graphs = capture_graphs(self.generator)
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)
         self._vocab = tokenizer.get_piece_size()
@@ -188,7 +192,7 @@ class Talker:
         self._unencoded.pop(slot, None)  # the next start resets the slot
 
     def play(self, slot: int, program: Iterator[PrefillStep]) -> torch.Tensor:
-        """Play prefill steps into a started slot at once (SlotGenerator.prefill); returns the
+        """Play prefill steps into a started slot at once (prefill.py); returns the
         input embeddings of the steps that ran the model [M, 1, dim]."""
         self.settle()
         steps = []
@@ -205,7 +209,7 @@ class Talker:
                 embeddings=None if step.embedding is None else step.embedding.view(1, 1, -1),
                 embed_rows=None if step.embedding is None else torch.ones(1, dtype=torch.bool))
             steps.append((inputs, step.restore_cache))
-        return self.generator.prefill(slot, steps)
+        return prefill(self.generator, slot, steps)
 
     def text_piece(self, token: int) -> str:
         """The text of a sampled token; padding and other special ids give ''."""

@@ -1,0 +1,97 @@
+"""The engine's tick: one batched step of the stage, its outputs handed to the outbox as answers.
+
+Faults stay where they arise: a failing step ends the conversation it names (`SlotFault`) and
+the rest step again; any other failure is retried once, then ends the conversations in it.
+Either way the engine's loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from . import metrics as reasons
+from .answers import Answer
+from .conversations import Conversation
+from .faults import FaultPlan, SlotFault
+from .metrics import Metrics
+from .outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+
+class Ticker:
+    def __init__(self, name: str, stage, lock: threading.Condition, fail: Callable[[Conversation, str, str], None],
+                 outbox: Outbox, metrics: Metrics, faults: FaultPlan | None = None):
+        """`stage`: the engine's (engine.Stage); `lock`: the engine's, over its conversations;
+        `fail(conversation, message, reason)` ends a conversation."""
+        self.name = name
+        self.stage = stage
+        self._lock = lock
+        self._fail = fail
+        self._outbox = outbox
+        self.metrics = metrics
+        self.faults = faults
+        self.tick_span = (0.0, 0.0)  # wall-clock start and end of the last tick, for the trace
+
+    def tick(self, batch) -> None:
+        """Step `batch` (ConversationTable.next_batch) and put its answers in the outbox."""
+        outputs = self._step(batch)
+        if outputs is None:
+            return
+        answers = []
+        for slot, (conv, request, _, queued) in batch.items():
+            if conv.slot != slot:  # ended while stepping
+                continue
+            if slot not in outputs:
+                self._fail(conv, "internal error: the stage produced no output for a frame", reasons.INTERNAL)
+                continue
+            answers.append(Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
+            conv.answered += 1
+        self._outbox.put(answers)
+
+    def _ticked(self, batch) -> list[Conversation]:
+        """The conversations a tick steps: those with an item, less any ended meanwhile (by a
+        failed send or a lost frame, on other threads)."""
+        with self._lock:
+            return [conv for slot, (conv, _, _, _) in batch.items() if conv.slot == slot]
+
+    def _step(self, batch) -> dict | None:
+        """The stage's tick over `batch`; None if it failed for good (its conversations got the
+        error). A fault that names a slot ends that conversation and the rest step again."""
+        retried = False
+        while True:
+            ticked = self._ticked(batch)
+            if not ticked:
+                return None
+            started = time.monotonic()
+            try:
+                if self.faults is not None:
+                    self.faults.before_tick({c.key: c.slot for c in ticked})
+                self.tick_span = (time.time(), None)
+                outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
+                self.tick_span = (self.tick_span[0], time.time())
+            except SlotFault as exc:
+                culprit = next((c for c in ticked if c.slot == exc.slot), None)
+                if culprit is not None:
+                    log.error("%s: step failed in conversation %s: %s", self.name, culprit.key, exc)
+                    batch.pop(exc.slot, None)
+                    self._fail(culprit, f"internal error while stepping this conversation: {exc}", reasons.INTERNAL)
+                    continue
+                error = exc
+            except Exception as exc:
+                error = exc
+            else:
+                self.metrics.tick(time.monotonic() - started)
+                return outputs
+            if not retried:
+                log.warning("%s: step failed (%s); retrying it once", self.name, error)
+                retried = True
+                continue
+            log.error("%s: step failed twice; ending the %d conversations in it", self.name, len(ticked),
+                      exc_info=error)
+            for conv in ticked:
+                self._fail(conv, f"internal error while stepping: {error}", reasons.INTERNAL)
+            return None

@@ -195,21 +195,20 @@ class Talker:
         """Play prefill steps into a started slot at once (prefill.py); returns the
         input embeddings of the steps that ran the model [M, 1, dim]."""
         self.settle()
-        steps = []
+        tokens, embeddings, restores = [], {}, {}
         for step in program:
             agent = step.agent
             if step.pcm is not None:  # a WAV voice's frame: Mimi codes it in the slot's own stream
-                agent = self.mimi.encode({slot: step.pcm})[slot]
+                agent = self.mimi.encode({slot: step.pcm})[slot].tolist()
             if not step.runs_model:
                 continue
-            inputs = StepInputs(
-                active=torch.ones(1, dtype=torch.bool), user_codes=torch.tensor([step.user]),
-                agent_codes=torch.as_tensor(agent).view(1, NUM_AUDIO), agent_forced=torch.ones(1, dtype=torch.bool),
-                text_token=torch.tensor([step.text]), text_forced=torch.ones(1, dtype=torch.bool),
-                embeddings=None if step.embedding is None else step.embedding.view(1, 1, -1),
-                embed_rows=None if step.embedding is None else torch.ones(1, dtype=torch.bool))
-            steps.append((inputs, step.restore_cache))
-        return prefill(self.generator, slot, steps)
+            if step.embedding is not None:
+                embeddings[len(tokens)] = step.embedding.view(-1)
+            if step.restore_cache is not None:
+                restores[len(tokens)] = step.restore_cache
+            tokens.append((step.text, *agent, *step.user))
+        return prefill(self.generator, slot, torch.tensor(tokens, dtype=torch.long).view(-1, 1 + 2 * NUM_AUDIO),
+                       embeddings, restores)
 
     def text_piece(self, token: int) -> str:
         """The text of a sampled token; padding and other special ids give ''."""

@@ -381,6 +381,23 @@ def test_cancellation_polls_one_request_a_conversation():
         engine.shutdown(drain_s=0.1)
 
 
+def test_a_failing_cancellation_poll_leaves_the_conversation_and_the_engine_running():
+    """tritonserver's is_cancelled can raise (a request it already released): the conversation
+    is answered in full and the engine stays healthy, where the loop used to die of it."""
+    engine = SlotEngine(CountingStage(1, tick_s=0.01))
+    try:
+        engine.open(1, None)
+        c = Collector()
+
+        def broken():
+            raise RuntimeError("the request is gone")
+        engine.submit(1, list(range(100)), c.on_output, c.on_done, is_cancelled=broken)  # 1 s of ticks: polled
+        c.wait()
+        assert c.errors == [None] and len(c.outputs) == 100 and engine.healthy
+    finally:
+        engine.shutdown()
+
+
 def test_shutdown_answers_every_pending_request():
     engine = SlotEngine(CountingStage(2, tick_s=0.01))
     engine.open(1, None)

@@ -8,6 +8,7 @@ engine_loop.py) calls it under its lock, and calls the stage and the requests' c
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import metrics as reasons
+
+log = logging.getLogger(__name__)
 
 
 class ConversationError(ValueError):
@@ -59,8 +62,16 @@ class Request:
                 self.on_done(error)
 
     def cancelled(self) -> bool:
+        """Whether the client is gone. A poll that fails says no: the request's next send
+        fails too if the client is, and ends its conversation alone."""
         with self.guard:
-            return not self.finished and self.is_cancelled is not None and self.is_cancelled()
+            if self.finished or self.is_cancelled is None:
+                return False
+            try:
+                return bool(self.is_cancelled())
+            except Exception:
+                log.warning("asking whether a request was cancelled failed; taking it as not", exc_info=True)
+                return False
 
 
 @dataclass

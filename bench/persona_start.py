@@ -1,0 +1,149 @@
+"""How long a conversation takes to start, by persona, in one process: a persona never seen
+(its prefill: a voice bundle of 199 frames, as PersonaPlex ships, and the bench's role prompt)
+and one from the persona cache. With `--base SRC`, a second tree's talker on the same weights
+starts the same personas, the two taking turns, so that the machine's drift falls on both:
+
+    python -m bench.persona_start --base /tmp/main --rounds 10 --name persona-start-cpu2
+    python -m bench.persona_start --checkpoint checkpoints/7b --device cuda --name persona-start-h200
+
+writes bench/results/<date>-<name>.{md,json,png}. Wall time of `Talker.start` (on a GPU until
+its work is done), median over the rounds; the talker's slot pool is 2, without CUDA graphs
+(a start runs none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before moshi is imported
+
+import numpy as np
+import torch
+
+from bench import report, workload
+from bench.cpu_tick import load_tree
+
+KINDS = ("new persona", "cached persona")
+VOICE_FRAMES = 199
+
+
+class Starter:
+    """A talker of one tree, and the starts it is timed on."""
+
+    def __init__(self, package: str, checkpoint: str, device: str):
+        loaders = importlib.import_module(f"{package}.loaders")
+        talker = importlib.import_module(f"{package}.talker")
+        mimi_runtime = importlib.import_module(f"{package}.mimi_runtime")
+        self.persona = importlib.import_module(f"{package}.persona")
+        self.sampling = importlib.import_module(f"{package}.sampling")
+        files = loaders.resolve_checkpoint(checkpoint)
+        lm = loaders.get_lm(files, device, None)
+        self.tokenizer = loaders.get_tokenizer(files)
+        # the bundle voices never run Mimi: PyTorch's encoder needs no export of either tree
+        encoder = mimi_runtime.open_step("encoder", files, "torch", device)
+        self.talker = talker.Talker(lm, encoder, self.tokenizer, 2, persona_cache_size=4, cuda_graphs=False)
+        self.setup = talker.TalkerSetup
+        self.prompt = tuple(self.tokenizer.encode(workload.PERSONA.text_prompt))
+        self.device = torch.device(device)
+        self.ms: dict[str, list[float]] = {kind: [] for kind in KINDS}
+
+    def start(self, voice_seed: int, kind: str) -> None:
+        """Slot 0 starts a persona of the voice drawn from `voice_seed` (new: first time)."""
+        gen = torch.Generator().manual_seed(voice_seed)
+        voice = self.persona.VoicePrompt(
+            f"bench-{voice_seed}", embeddings=0.02 * torch.randn(VOICE_FRAMES, 1, 1, self.talker.lm.dim, generator=gen),
+            cache=self.talker.generator.grid.cache[0].cpu().clone())
+        setup = self.setup(self.persona.Persona(voice, self.prompt), self.sampling.SamplingParams(seed=voice_seed))
+        self._sync()
+        started = time.perf_counter()
+        self.talker.start(0, setup)
+        self._sync()
+        self.ms[kind].append((time.perf_counter() - started) * 1000)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=str(report.REPO_ROOT / "checkpoints" / "tiny"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--base", type=Path, help="another source tree to compare (its src/ is used)")
+    parser.add_argument("--rounds", type=int, default=10, help="starts of each kind per tree (after 2 unmeasured)")
+    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
+    parser.add_argument("--name", default="persona-start")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # loaders.CPU_TORCH_THREADS, as serving.use_device_threads sets it
+    trees = {"this tree": "personaplex_triton"}
+    if args.base:
+        load_tree(args.base / "src", "personaplex_triton_base")
+        trees = {f"base ({args.base})": "personaplex_triton_base", **trees}
+    starters = {label: Starter(package, args.checkpoint, args.device) for label, package in trees.items()}
+    load = os.getloadavg()[0]
+    started = report.now()
+    for i in range(2 + args.rounds):
+        for starter in starters.values():
+            starter.start(1000 + i, "new persona")
+            starter.start(1000 + i, "cached persona")
+            if i < 2:  # warm-up
+                starter.ms = {kind: [] for kind in KINDS}
+    result = {"command": "python -m bench.persona_start " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": report.machine(), "device": args.device, "checkpoint": report.checkpoint_label(args.checkpoint),
+              "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),
+              "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
+              "trees": {label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) for kind in KINDS},
+                                "ms": s.ms} for label, s in starters.items()}}
+    report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
+    return 0
+
+
+def markdown(result: dict, plot_name: str) -> str:
+    m = result["machine"]
+    lines = [f"# A conversation's start, by persona ({result['started'][:10]}, {m['cpu']}, {m['cores']} cores"
+             f"{', ' + m['gpus'][0] if m['gpus'] else ''})", "",
+             f"- Command: `{result['command']}`", f"- Commit {result['commit']}, started {result['started']} UTC",
+             f"- Checkpoint {result['checkpoint']} on {result['device']}",
+             f"- Load average (1 min) at start {result['load_average'][0]}, at end {result['load_average'][1]}",
+             f"- `Talker.start` wall time in ms, median over the rounds; new persona: its prefill ({VOICE_FRAMES}-frame "
+             "voice bundle, the bench's role prompt); cached: the same persona again, from the persona cache.", "",
+             "| tree | rounds | new persona | cached persona |", "| --- | ---: | ---: | ---: |"]
+    for label, tree in result["trees"].items():
+        s = tree["median_ms"]
+        lines.append(f"| {label} | {len(tree['ms']['new persona'])} | {s['new persona']} | {s['cached persona']} |")
+    return "\n".join(lines + ["", f"![starts]({plot_name})", ""])
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    for ax, kind in zip(axes, KINDS):
+        for label, tree in result["trees"].items():
+            ms = sorted(tree["ms"][kind])
+            ax.plot(ms, np.linspace(0, 1, len(ms)), marker=".", label=label)
+        ax.set_xlabel(f"{kind}: start (ms)")
+        ax.set_ylabel("fraction of starts")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"A conversation's start ({result['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

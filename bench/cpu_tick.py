@@ -17,7 +17,6 @@ writes bench/results/<date>-<name>.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -29,21 +28,9 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before 
 import numpy as np
 import torch
 
-from bench import report
-from bench import workload
+from bench import report, trees, workload
 
 PARTS = ("temporal transformer", "text head", "depformer")
-
-
-def load_tree(src: Path, name: str):
-    """The `personaplex_triton` package of the tree whose src/ is `src`, imported as `name` (its
-    modules import each other relatively, so both trees live side by side)."""
-    spec = importlib.util.spec_from_file_location(name, src / "personaplex_triton" / "__init__.py",
-                                                  submodule_search_locations=[str(src / "personaplex_triton")])
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[name] = package
-    spec.loader.exec_module(package)
-    return package
 
 
 class TickClock:
@@ -108,22 +95,15 @@ def summary(ticks: list[dict]) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default=str(report.REPO_ROOT / "checkpoints" / "tiny"))
-    parser.add_argument("--base", type=Path, help="another source tree to compare (its src/ is used)")
+    trees.add_arguments(parser, "cpu-tick")
     parser.add_argument("--ticks", type=int, default=400, help="ticks measured per tree (after 20 unmeasured)")
-    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
-    parser.add_argument("--name", default="cpu-tick")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # loaders.CPU_TORCH_THREADS, as serving.use_device_threads sets it
-    trees = {"this tree": "personaplex_triton"}
-    if args.base:
-        load_tree(args.base / "src", "personaplex_triton_base")
-        trees = {f"base ({args.base})": "personaplex_triton_base", **trees}
-    clocks = {label: TickClock(package, args.checkpoint) for label, package in trees.items()}
+    clocks = {label: TickClock(package, args.checkpoint) for label, package in trees.packages(args.base).items()}
     speech = workload.frames(99)
     load = os.getloadavg()[0]
     started = report.now()

@@ -26,8 +26,7 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before 
 import numpy as np
 import torch
 
-from bench import report, workload
-from bench.cpu_tick import load_tree
+from bench import report, trees, workload
 
 KINDS = ("new persona", "cached persona")
 VOICE_FRAMES = 199
@@ -73,23 +72,17 @@ class Starter:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default=str(report.REPO_ROOT / "checkpoints" / "tiny"))
+    trees.add_arguments(parser, "persona-start")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--base", type=Path, help="another source tree to compare (its src/ is used)")
     parser.add_argument("--rounds", type=int, default=10, help="starts of each kind per tree (after 2 unmeasured)")
-    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
-    parser.add_argument("--name", default="persona-start")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # loaders.CPU_TORCH_THREADS, as serving.use_device_threads sets it
-    trees = {"this tree": "personaplex_triton"}
-    if args.base:
-        load_tree(args.base / "src", "personaplex_triton_base")
-        trees = {f"base ({args.base})": "personaplex_triton_base", **trees}
-    starters = {label: Starter(package, args.checkpoint, args.device) for label, package in trees.items()}
+    starters = {label: Starter(package, args.checkpoint, args.device)
+                for label, package in trees.packages(args.base).items()}
     load = os.getloadavg()[0]
     started = report.now()
     for i in range(2 + args.rounds):

@@ -150,3 +150,27 @@ def test_gpu_step_kv_dtype_option_and_table(tmp_path):
     assert "| 3000 | 128 | - | 50.0 | - | - / 100.0 |" in table
     assert "| float8_e4m3fn | 0.75 | 0.75 | 120.0 | 160 | 155 |" in table
     assert "fp8 KV cache against a bf16 one" in table
+
+
+def test_persona_start_compares_two_trees_and_a_prefill_costs_more_than_the_cache(tiny_checkpoint, tmp_path):
+    """bench.persona_start with a --base tree (this one again, loaded under another name): both
+    trees start both kinds of persona, and a new persona's prefill takes longer than a start
+    from the persona cache (tens of ms against a few)."""
+    import json
+
+    import torch
+
+    from bench import persona_start
+
+    threads = torch.get_num_threads()  # the bench sets 1, as a stage does
+    try:
+        persona_start.main(["--checkpoint", str(tiny_checkpoint), "--base", str(report.REPO_ROOT), "--rounds", "2",
+                            "--out", str(tmp_path), "--name", "starts"])
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(next(tmp_path.glob("*-starts.json")).read_text())
+    assert list(result["trees"]) == [f"base ({report.REPO_ROOT})", "this tree"]
+    for tree in result["trees"].values():
+        assert all(len(ms) == 2 for ms in tree["ms"].values())
+        assert tree["median_ms"]["new persona"] > 2 * tree["median_ms"]["cached persona"]
+    assert (tmp_path / next(tmp_path.glob("*-starts.md")).name.replace(".md", ".png")).exists()

@@ -62,16 +62,18 @@ def write_state(state: list[torch.Tensor], rows, outputs: list[torch.Tensor], sp
     (rows `rows` of each: a slice or an index tensor), in place: a ring's new entries at their
     positions, every other state whole."""
     offset = state[0][rows].clone()  # before the step: where the rings' new entries go
+    index = torch.arange(state[0].shape[0], device=offset.device)[rows].view(-1, 1)
+    positions: dict[tuple[int, int], torch.Tensor] = {}  # (ring size, new entries): shared by the rings
     for spec, tensor, new in zip(specs, state, outputs):
         if spec.ring is None:
             tensor[rows] = new
             continue
         axis = 1 + spec.ring
-        index = torch.arange(tensor.shape[0], device=tensor.device)[rows]
-        positions = torch.remainder(offset.view(-1, 1) + torch.arange(new.shape[axis], device=offset.device),
-                                    tensor.shape[axis])
+        key = (tensor.shape[axis], new.shape[axis])
+        if key not in positions:
+            positions[key] = torch.remainder(offset.view(-1, 1) + torch.arange(key[1], device=offset.device), key[0])
         # rows and positions first, as advanced indexing puts them: [B, new entries, ...]
-        tensor.movedim(axis, 1)[index.view(-1, 1), positions] = new.movedim(axis, 1).to(tensor)
+        tensor.movedim(axis, 1)[index, positions[key]] = new.movedim(axis, 1).to(tensor)
 
 
 def _weight_layout(module: nn.Module, layout: str) -> torch.Tensor:

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             starter.start(1000 + i, "new persona")
             starter.start(1000 + i, "cached persona")
             if i < 2:  # warm-up
-                starter.ms = {kind: [] for kind in KINDS}
+                for ms in starter.ms.values():
+                    ms.clear()
     result = {"command": "python -m bench.persona_start " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": report.machine(), "device": args.device, "checkpoint": report.checkpoint_label(args.checkpoint),
               "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),

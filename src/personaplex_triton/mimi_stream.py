@@ -2,8 +2,8 @@
 
 The pool holds every slot's state tensors ([slots, ...] each, offset first); a tick gathers
 the rows of the slots with a frame (a view when they are consecutive), runs one step of them
-on the runner and writes what changed back (rings: only their new entries). A fresh stream is all zeros, so a reset zeroes
-a row.
+on the runner and writes what changed back (rings: only their new entries). A fresh stream
+is all zeros, so a reset zeroes a row.
 """
 
 from __future__ import annotations

@@ -38,4 +38,3 @@ class StepGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
-

@@ -1,5 +1,6 @@
-"""What one step of the slot generator forces, and where: the one input of every way it steps
-(the batched step, its CUDA graphs' capture, the persona prefill)."""
+"""What one step of the slot generator forces, and where: the input of its batched step (and
+of the idle steps that capture its CUDA graphs). A persona's prefill forces every stream and
+takes its tokens whole (prefill.py)."""
 
 from __future__ import annotations
 

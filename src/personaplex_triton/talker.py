@@ -207,7 +207,7 @@ class Talker:
             if step.restore_cache is not None:
                 restores[len(tokens)] = step.restore_cache
             tokens.append((step.text, *agent, *step.user))
-        return prefill(self.generator, slot, torch.tensor(tokens, dtype=torch.long).view(-1, 1 + 2 * NUM_AUDIO),
+        return prefill(self.generator, slot, torch.tensor(tokens, dtype=torch.long).view(-1, self.generator.grid.num_codebooks),
                        embeddings, restores)
 
     def text_piece(self, token: int) -> str:

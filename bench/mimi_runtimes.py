@@ -102,6 +102,55 @@ def time_runtimes(files, batches, ticks) -> list[dict]:
     return rows
 
 
+# ops whose weights every step reads whole (a codebook Gather reads a few rows)
+WEIGHT_READING_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulNBits"}
+
+
+def weights_read_mb(path: Path) -> float:
+    """MB of the exported step's weights that a step reads whole, whatever its batch."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    sizes = {t.name: np.prod(t.dims) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+             for t in model.graph.initializer}
+    read = {name for node in model.graph.node if node.op_type in WEIGHT_READING_OPS
+            for name in node.input if name in sizes}
+    return round(sum(sizes[name] for name in read) / 1e6, 1)
+
+
+def memory_read_gbs(threads: int, mb: int = 512, reps: int = 15) -> float:
+    """GB/s at which `threads` threads read a buffer far larger than the caches (a sum)."""
+    served_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    buffer = torch.ones(mb * 250_000)
+    seconds = median_ms(buffer.sum, reps) / 1000
+    torch.set_num_threads(served_threads)
+    return round(mb / 1000 / seconds, 1)
+
+
+def weight_read_floor(files, rows: list[dict]) -> list[dict]:
+    """What bounds a batch-1 step: every step reads all its weights, so no step can be faster
+    than reading them at the memory bandwidth of every core (ONNX Runtime's threads; moshi's
+    faster count)."""
+    from personaplex_triton.mimi_artefacts import onnx_path
+
+    if not any(r["batch"] == 1 for r in rows):
+        return []
+    threads = CORES
+    gbs = memory_read_gbs(threads)
+    floors = []
+    for stage in ("encoder", "decoder"):
+        batch1 = {r["runtime"]: r["tick_ms"] for r in rows if r["stage"] == stage and r["batch"] == 1}
+        mb = weights_read_mb(onnx_path(files.mimi, stage))
+        floor_ms = round(mb / gbs, 2)
+        moshi_ms = min(ms for runtime, ms in batch1.items() if runtime.startswith(MOSHI_EAGER))
+        floors.append({"stage": stage, "weights_mb": mb, "threads": threads, "memory_gbs": gbs, "floor_ms": floor_ms,
+                       "onnxruntime_ms": batch1.get("onnxruntime"), "moshi_ms": moshi_ms,
+                       "best_speed_up": round(moshi_ms / floor_ms, 1)})
+        print(floors[-1], flush=True)
+    return floors
+
+
 def moshi_label(threads: int) -> str:
     return f"{MOSHI_EAGER}, {threads} thread{'s' if threads > 1 else ''}"
 
@@ -157,6 +206,16 @@ def write_report(report: dict, out: Path) -> None:
             cells = [f"{tick[stage, runtime, b]} | {tick[stage, runtime, b] / b:.2f}" for b in batches]
             ratios = ", ".join(f"{moshi[stage, b] / tick[stage, runtime, b]:.1f}x" for b in batches)
             lines.append(f"| {stage} | {runtime} | " + " | ".join(cells) + f" | {ratios} |")
+    floors = report["weight_read_floor"]
+    if floors:
+        lines += ["", "What bounds batch 1: a step reads all its fp32 weights, so at this machine's memory "
+                  f"bandwidth ({floors[0]['threads']} threads summing a 512 MB buffer) no step can take "
+                  "less than the floor:", "",
+                  "| stage | weights read a step (MB) | memory read (GB/s) | floor (ms) | onnxruntime (ms) "
+                  "| moshi eager (ms) | best possible speed-up |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {f['stage']} | {f['weights_mb']} | {f['memory_gbs']} | {f['floor_ms']} "
+                  f"| {f['onnxruntime_ms']} | {f['moshi_ms']} | {f['best_speed_up']}x |" for f in floors]
     budget = report["frame_budget"]
     after = " (after the answer)" if budget["encode_after"] else ""
     lines += ["", f"One live conversation of the embedded default (Mimi encoder on {budget['encoder']}, "
@@ -207,6 +266,7 @@ def main(argv=None) -> int:
               "command": " ".join(["python -m bench.mimi_runtimes", *(sys.argv[1:] if argv is None else argv)]),
               "rows": time_runtimes(files, args.batch, args.ticks),
               "frame_budget": time_frame_budget(files, args.ticks)}
+    report["weight_read_floor"] = weight_read_floor(files, report["rows"])
     write_report(report, args.out)
     return 0
 

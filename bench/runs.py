@@ -3,8 +3,8 @@ that a shared machine's drift falls on each: how many of the runs held real time
 
 Each round runs `python -m bench.run --url URL --stages load --conversations N --seconds S`
 once per server, in the order given; the table has one row a run (the 1-minute load average
-at its start, p50 / p95 / p99, late frames, real time) and, per server, the median over its
-runs and how many held real time:
+at its start, the CPU time the hypervisor stole during it, p50 / p95 / p99, late frames, real
+time) and, per server, the median over its runs and how many held real time:
 
     python -m bench.runs --server before=localhost:9001 --server after=localhost:8101 --rounds 10 --name cpu-ab
 
@@ -23,16 +23,18 @@ import tempfile
 from pathlib import Path
 
 from bench import report
+from bench.steal import StealSampler
 
 
 def one_run(url: str, conversations: int, seconds: float) -> dict:
-    """The load level's figures of one `bench.run` against `url`."""
-    with tempfile.TemporaryDirectory() as out:
+    """The load level's figures of one `bench.run` against `url`, and the CPU time stolen meanwhile."""
+    with tempfile.TemporaryDirectory() as out, StealSampler() as steal:
         subprocess.run([sys.executable, "-m", "bench.run", "--url", url, "--stages", "load",
                         "--conversations", str(conversations), "--seconds", str(seconds),
                         "--out", out, "--name", "run"], check=True, capture_output=True, cwd=report.REPO_ROOT)
         level = json.loads(next(Path(out).glob("*.json")).read_text())["load"][0]
-    return {key: level[key] for key in ("frames", "p50", "p95", "p99", "late", "real_time")}
+    return {**{key: level[key] for key in ("frames", "p50", "p95", "p99", "late", "real_time")},
+            "steal": steal.mean, "steal_peak": steal.peak}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
             run = {"round": round_, "server": label, "time": at, "load": load,
                    **one_run(url, args.conversations, args.seconds)}
             runs.append(run)
-            print(f"{at} {label}: load {load}, p50 {run['p50']} ms, p99 {run['p99']} ms, late {run['late']}, "
+            print(f"{at} {label}: load {load}, steal {run['steal']}% (worst second {run['steal_peak']}%), p50 {run['p50']} ms, p99 {run['p99']} ms, late {run['late']}, "
                   f"real time {'yes' if run['real_time'] else 'no'}", flush=True)
     result = {"command": "python -m bench.runs " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": report.machine(), "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),
@@ -87,11 +89,14 @@ def markdown(result: dict, plot_name: str) -> str:
              f"- Each run: `bench.run --stages load --conversations {result['conversations']} --seconds "
              f"{result['seconds']:g}` (one frame every 80 ms); the servers take turns. Real time: p99 under 80 ms "
              "and no frame late. Load: the 1-minute load average at the run's start (2 cores; the machine is "
-             "shared).", "",
-             "| time (UTC) | server | load | p50 (ms) | p95 (ms) | p99 (ms) | late | real time |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |"]
+             "shared). Steal: % of CPU time the hypervisor gave to other guests, over the run and in its "
+             "worst second (/proc/stat).", "",
+             "| time (UTC) | server | load | steal: run, worst second (%) | p50 (ms) | p95 (ms) | p99 (ms) | late "
+             "| real time |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     for r in result["runs"]:
-        lines.append(f"| {r['time']} | {r['server']} | {r['load']} | {r['p50']} | {r['p95']} | {r['p99']} | "
+        steal = "n/a" if r.get("steal") is None else f"{r['steal']}, {r['steal_peak']}"
+        lines.append(f"| {r['time']} | {r['server']} | {r['load']} | {steal} | {r['p50']} | {r['p95']} | {r['p99']} | "
                      f"{r['late']} of {r['frames']} | {'yes' if r['real_time'] else 'no'} |")
     lines += ["", "| server | runs in real time | median p50 (ms) | median p95 (ms) | median p99 (ms) | median late |",
               "| --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -174,3 +174,32 @@ def test_persona_start_compares_two_trees_and_a_prefill_costs_more_than_the_cach
         assert all(len(ms) == 2 for ms in tree["ms"].values())
         assert tree["median_ms"]["new persona"] > 2 * tree["median_ms"]["cached persona"]
     assert (tmp_path / next(tmp_path.glob("*-starts.md")).name.replace(".md", ".png")).exists()
+
+
+def test_steal_is_the_share_of_cpu_time_the_hypervisor_took():
+    from bench.steal import StealSampler, cpu_times, steal_percent
+
+    assert steal_percent((10, 1000), (35, 1100)) == 25.0
+    assert steal_percent((10, 1000), (10, 1000)) == 0.0  # no time passed
+    if cpu_times() is None:
+        pytest.skip("this kernel's /proc/stat reports no steal time")
+    with StealSampler(interval_s=0.05) as steal:
+        sum(i * i for i in range(2_000_000))
+    assert 0.0 <= steal.mean <= 100.0 and 0.0 <= steal.peak <= 100.0
+
+
+def test_weights_read_counts_products_whole_and_not_gathered_tables(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from bench.mimi_runtimes import weights_read_mb
+
+    weight = numpy_helper.from_array(np.zeros((1000, 500), np.float32), "weight")  # 2.0 MB, read whole
+    table = numpy_helper.from_array(np.zeros((2000, 1000), np.float32), "table")   # 8.0 MB, a row read
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "codes"], ["rows"]),
+         helper.make_node("MatMul", ["rows", "weight"], ["y"])], "g",
+        [helper.make_tensor_value_info("codes", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 500])], [weight, table])
+    onnx.save(helper.make_model(graph), tmp_path / "step.onnx")
+    assert weights_read_mb(tmp_path / "step.onnx") == 2.0

@@ -75,7 +75,7 @@ def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
                             torch.randint(0, 2048, (1, 8), generator=codes).cuda(),
                             torch.zeros(1, 8, dtype=torch.long, device="cuda"), none,
                             torch.zeros(1, dtype=torch.long, device="cuda"), none)
-        generators[1].restore(0, generators[0].snapshot(0))
+        generators[1].restore([0], generators[0].snapshot(0))
         for generator in generators:
             generator.step(inputs)
         same = samples[0][:, :1 + NUM_AUDIO] == samples[1][:, :1 + NUM_AUDIO]

@@ -1,14 +1,16 @@
 """How long a conversation takes to start, by persona, in one process: a persona never seen
 (its prefill: a voice bundle of 199 frames, as PersonaPlex ships, and the bench's role prompt)
-and one from the persona cache. With `--base SRC`, a second tree's talker on the same weights
-starts the same personas, the two taking turns, so that the machine's drift falls on both:
+and one from the persona cache; then `--together N` conversations of a cached persona, as
+when N clients connect at once, started one by one and in one `Talker.start_many` (one reset
+for all). With `--base SRC`, a second tree's talker on the same weights starts the same
+personas, the two taking turns, so that the machine's drift falls on both:
 
     python -m bench.persona_start --base /tmp/main --rounds 10 --name persona-start-cpu2
     python -m bench.persona_start --checkpoint checkpoints/7b --device cuda --name persona-start-h200
 
-writes bench/results/<date>-<name>.{md,json,png}. Wall time of `Talker.start` (on a GPU until
-its work is done), median over the rounds; the talker's slot pool is 2, without CUDA graphs
-(a start runs none).
+writes bench/results/<date>-<name>.{md,json,png}. Wall time of the starts (on a GPU until
+their work is done), median over the rounds; the talker's slot pool is N + 1, without CUDA
+graphs (a start runs none).
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ import torch
 
 from bench import report, trees, workload
 
-KINDS = ("new persona", "cached persona")
+ONE_BY_ONE, TOGETHER = "cached, one by one", "cached, together"
+KINDS = ("new persona", "cached persona", ONE_BY_ONE, TOGETHER)
 VOICE_FRAMES = 199
 
 
 class Starter:
     """A talker of one tree, and the starts it is timed on."""
 
-    def __init__(self, package: str, checkpoint: str, device: str):
+    def __init__(self, package: str, checkpoint: str, device: str, together: int):
         loaders = importlib.import_module(f"{package}.loaders")
         talker = importlib.import_module(f"{package}.talker")
         mimi_runtime = importlib.import_module(f"{package}.mimi_runtime")
@@ -46,22 +49,37 @@ class Starter:
         self.tokenizer = loaders.get_tokenizer(files)
         # the bundle voices never run Mimi: PyTorch's encoder needs no export of either tree
         encoder = mimi_runtime.open_step("encoder", files, "torch", device)
-        self.talker = talker.Talker(lm, encoder, self.tokenizer, 2, persona_cache_size=4, cuda_graphs=False)
+        self.talker = talker.Talker(lm, encoder, self.tokenizer, together + 1, persona_cache_size=4,
+                                    cuda_graphs=False)
+        self.together = together
         self.setup = talker.TalkerSetup
         self.prompt = tuple(self.tokenizer.encode(workload.PERSONA.text_prompt))
         self.device = torch.device(device)
         self.ms: dict[str, list[float]] = {kind: [] for kind in KINDS}
 
-    def start(self, voice_seed: int, kind: str) -> None:
-        """Slot 0 starts a persona of the voice drawn from `voice_seed` (new: first time)."""
+    def _setup(self, voice_seed: int, seed: int):
+        """The persona of the voice drawn from `voice_seed`, with sampling seed `seed`."""
         gen = torch.Generator().manual_seed(voice_seed)
         voice = self.persona.VoicePrompt(
             f"bench-{voice_seed}", embeddings=0.02 * torch.randn(VOICE_FRAMES, 1, 1, self.talker.lm.dim, generator=gen),
             cache=self.talker.generator.grid.cache[0].cpu().clone())
-        setup = self.setup(self.persona.Persona(voice, self.prompt), self.sampling.SamplingParams(seed=voice_seed))
+        return self.setup(self.persona.Persona(voice, self.prompt), self.sampling.SamplingParams(seed=seed))
+
+    def start(self, voice_seed: int, kind: str) -> None:
+        """Slot 0 starts the persona of `voice_seed` (a new persona: the first time); the
+        together kinds start slots 1..N on it (after a start of slot 0 cached it)."""
+        slots = [0] if kind in KINDS[:2] else range(1, 1 + self.together)
+        setups = {slot: self._setup(voice_seed, seed=voice_seed + slot) for slot in slots}
+        if kind == TOGETHER and not hasattr(self.talker, "start_many"):
+            return  # a tree from before start_many
         self._sync()
         started = time.perf_counter()
-        self.talker.start(0, setup)
+        if kind == TOGETHER:
+            failed = self.talker.start_many(setups)
+            assert not failed, failed
+        else:
+            for slot, setup in setups.items():
+                self.talker.start(slot, setup)
         self._sync()
         self.ms[kind].append((time.perf_counter() - started) * 1000)
 
@@ -75,20 +93,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     trees.add_arguments(parser, "persona-start")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=10, help="starts of each kind per tree (after 2 unmeasured)")
+    parser.add_argument("--together", type=int, default=16, help="conversations that start at once (N)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # loaders.CPU_TORCH_THREADS, as serving.use_device_threads sets it
-    starters = {label: Starter(package, args.checkpoint, args.device)
+    starters = {label: Starter(package, args.checkpoint, args.device, args.together)
                 for label, package in trees.packages(args.base).items()}
     load = os.getloadavg()[0]
     started = report.now()
     for i in range(2 + args.rounds):
         for starter in starters.values():
-            starter.start(1000 + i, "new persona")
-            starter.start(1000 + i, "cached persona")
+            for kind in KINDS:
+                starter.start(1000 + i, kind)
             if i < 2:  # warm-up
                 for ms in starter.ms.values():
                     ms.clear()
@@ -96,8 +115,9 @@ def main(argv=None) -> int:
               "machine": report.machine(), "device": args.device, "checkpoint": report.checkpoint_label(args.checkpoint),
               "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),
               "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
-              "trees": {label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) for kind in KINDS},
-                                "ms": s.ms} for label, s in starters.items()}}
+              "together": args.together,
+              "trees": {label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) if s.ms[kind] else None
+                                              for kind in KINDS}, "ms": s.ms} for label, s in starters.items()}}
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
 
@@ -110,11 +130,15 @@ def markdown(result: dict, plot_name: str) -> str:
              f"- Checkpoint {result['checkpoint']} on {result['device']}",
              f"- Load average (1 min) at start {result['load_average'][0]}, at end {result['load_average'][1]}",
              f"- `Talker.start` wall time in ms, median over the rounds; new persona: its prefill ({VOICE_FRAMES}-frame "
-             "voice bundle, the bench's role prompt); cached: the same persona again, from the persona cache.", "",
-             "| tree | rounds | new persona | cached persona |", "| --- | ---: | ---: | ---: |"]
+             "voice bundle, the bench's role prompt); cached: the same persona again, from the persona cache; "
+             f"{result['together']} cached, one by one or together: {result['together']} conversations of that "
+             "persona starting at once, one `Talker.start` each or one `Talker.start_many` (n/a: the tree has none).",
+             "", "| tree | rounds | new persona | cached persona "
+             f"| {result['together']} cached, one by one | {result['together']} cached, together |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for label, tree in result["trees"].items():
-        s = tree["median_ms"]
-        lines.append(f"| {label} | {len(tree['ms']['new persona'])} | {s['new persona']} | {s['cached persona']} |")
+        cells = " | ".join("n/a" if tree["median_ms"][kind] is None else str(tree["median_ms"][kind]) for kind in KINDS)
+        lines.append(f"| {label} | {len(tree['ms']['new persona'])} | {cells} |")
     return "\n".join(lines + ["", f"![starts]({plot_name})", ""])
 
 
@@ -124,12 +148,13 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.5))
     for ax, kind in zip(axes, KINDS):
         for label, tree in result["trees"].items():
             ms = sorted(tree["ms"][kind])
             ax.plot(ms, np.linspace(0, 1, len(ms)), marker=".", label=label)
-        ax.set_xlabel(f"{kind}: start (ms)")
+        together = f"{result['together']} " if kind in (ONE_BY_ONE, TOGETHER) else ""
+        ax.set_xlabel(f"{together}{kind}: start (ms)")
         ax.set_ylabel("fraction of starts")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

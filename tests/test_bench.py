@@ -165,14 +165,16 @@ def test_persona_start_compares_two_trees_and_a_prefill_costs_more_than_the_cach
     threads = torch.get_num_threads()  # the bench sets 1, as a stage does
     try:
         persona_start.main(["--checkpoint", str(tiny_checkpoint), "--base", str(report.REPO_ROOT), "--rounds", "2",
-                            "--out", str(tmp_path), "--name", "starts"])
+                            "--together", "3", "--out", str(tmp_path), "--name", "starts"])
     finally:
         torch.set_num_threads(threads)
     result = json.loads(next(tmp_path.glob("*-starts.json")).read_text())
     assert list(result["trees"]) == [f"base ({report.REPO_ROOT})", "this tree"]
     for tree in result["trees"].values():
-        assert all(len(ms) == 2 for ms in tree["ms"].values())
+        assert all(len(ms) == 2 for ms in tree["ms"].values())  # every kind: both trees have start_many
         assert tree["median_ms"]["new persona"] > 2 * tree["median_ms"]["cached persona"]
+    assert result["together"] == 3 and "| 3 cached, one by one | 3 cached, together |" in (
+        next(tmp_path.glob("*-starts.md")).read_text())
     assert (tmp_path / next(tmp_path.glob("*-starts.md")).name.replace(".md", ".png")).exists()
 
 

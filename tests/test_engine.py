@@ -20,15 +20,21 @@ class CountingStage:
         self.seen = [0] * num_slots
         self.fail_on = None
         self.batch_sizes = []
+        self.starts = []  # the slots of each start_many call
         self.holding, self.release = threading.Event(), threading.Event()
 
-    def start(self, slot, setup):
-        if setup == "bad":
-            raise ValueError("bad setup")
-        self.seen[slot] = 0
-        if setup == "held":
-            self.holding.set()
-            self.release.wait(30)
+    def start_many(self, setups):
+        self.starts.append(sorted(setups))
+        failed = {}
+        for slot, setup in setups.items():
+            if setup == "bad":
+                failed[slot] = ValueError("bad setup")
+                continue
+            self.seen[slot] = 0
+            if setup == "held":
+                self.holding.set()
+                self.release.wait(30)
+        return failed
 
     def stop(self, slot):
         pass
@@ -151,6 +157,28 @@ def test_failed_start_reports_error(engine):
     except ConversationError:
         pass  # the start already failed and closed the conversation
     assert not engine.is_open(1)
+
+
+def test_conversations_admitted_together_start_together_and_a_bad_one_fails_alone():
+    stage = CountingStage(4)
+    engine = SlotEngine(stage)
+    try:
+        hold_start(engine, 1)  # the next three are admitted while the engine is in this start
+        for key, setup in ((2, None), (3, "bad"), (4, None)):
+            engine.open(key, setup)
+        stage.release.set()
+        good, bad = run(engine, 2, ["a"]), Collector()
+        assert good.outputs == [("a", 1)] and good.errors == [None]
+        assert run(engine, 4, ["b"]).outputs == [("b", 1)]
+        try:
+            engine.submit(3, ["c"], bad.on_output, bad.on_done)
+            bad.wait()
+            assert bad.outputs == [] and "bad setup" in bad.errors[0]
+        except ConversationError as exc:
+            assert "not open" in str(exc)  # its start already failed and closed it
+        assert [len(slots) for slots in stage.starts] == [1, 3]
+    finally:
+        engine.shutdown()
 
 
 def test_stage_error_fails_only_its_tick(engine):

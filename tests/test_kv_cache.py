@@ -114,7 +114,7 @@ def test_fp8_pool_snapshot_restore(lm):
         kv = [row["kv"] for row in snap["modules"] if "kv" in row]
         assert kv and all(t.dtype == FP8 and t.shape[2] == 12 for t in kv)
         gen.start(2, SamplingParams(greedy=True))
-        gen.restore(2, snap)
+        gen.restore([2], snap)
         for state in gen.states.states():
             if getattr(state, "kv_cache", None) is not None:
                 raw = state.kv_cache.cache.view(torch.uint8)

@@ -199,6 +199,35 @@ def test_cached_persona_starts_at_once_with_the_same_output(talker, wav_voice, u
         talker.persona_cache = PersonaCache(0)
 
 
+def test_starting_together_equals_starting_one_by_one(talker, wav_voice, user_frames):
+    """Conversations started in one call (one reset for all; a cached persona copied in, a new
+    one prefilled in its first slot and copied into the next) answer as each does alone; a
+    bad setup among them fails alone."""
+    from personaplex_triton.talker import PersonaCache
+
+    a = lambda **p: setup(wav_voice, talker.tokenizer, "You are a wise and friendly teacher.", **p)  # noqa: E731
+    b = lambda **p: setup(wav_voice, talker.tokenizer, "Talk about cooking.", **p)  # noqa: E731
+    together = {0: a(seed=5), 1: b(seed=6), 2: b(seed=7)}
+    alone = {slot: converse(talker, 0, st, user_frames) for slot, st in together.items()}
+    talker.persona_cache = PersonaCache(2)
+    try:
+        converse(talker, 0, a(seed=1), user_frames[:1])  # persona a is cached, b is new
+        assert talker.start_many(together) == {}
+        assert talker.persona_cache.hits == 1 and b().persona.key in talker.persona_cache
+        answers = {slot: [] for slot in together}
+        for frame in user_frames:
+            for slot, step in talker.tick({slot: frame for slot in together}).items():
+                answers[slot].append((step.text_token, tuple(int(c) for c in step.codes)))
+        assert answers == alone
+        failed = talker.start_many({0: a(seed=5), 1: b(temperature=0.0)})
+        assert list(failed) == [1] and "TEMPERATURE" in str(failed[1])
+        assert [talker.tick({0: frame})[0].text_token for frame in user_frames] == [t for t, _ in alone[0]]
+    finally:
+        for slot in together:
+            talker.stop(slot)
+        talker.persona_cache = PersonaCache(0)
+
+
 def prefill_step_by_step(talker, slot, persona):
     """The reference prefill (the talker's path before batched prefill): one full model step per
     prefill step, depformer and sampling included, every stream forced."""

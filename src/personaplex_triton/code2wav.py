@@ -16,7 +16,12 @@ class Code2Wav:
         self.mimi = MimiSlots(decoder, num_slots)
 
     def start(self, slot: int, setup=None) -> None:
-        self.mimi.reset([slot])
+        self.start_many({slot: setup})
+
+    def start_many(self, setups: dict) -> dict[int, Exception]:
+        """Fresh decoder streams for these slots, in one reset; none can fail."""
+        self.mimi.reset(list(setups))
+        return {}
 
     def stop(self, slot: int) -> None:
         pass  # the next start resets the row

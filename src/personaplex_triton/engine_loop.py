@@ -82,8 +82,8 @@ class EngineLoop(threading.Thread):
         self._poll_cancelled(now)
         if starting:  # a stage's start plays the persona's prefill: count those as prefilling meanwhile
             self._report_occupancy(starting=len(starting))
-        for conv in starting:
-            self._start(conv)
+        if starting:
+            self._start(starting)
         with self._lock:
             batch = table.next_batch()
         if batch:
@@ -120,9 +120,15 @@ class EngineLoop(threading.Thread):
             self._occupancy = occupancy
             self.metrics.conversations(*occupancy)
 
-    def _start(self, conv: Conversation) -> None:
+    def _start(self, starting: list[Conversation]) -> None:
+        """Start the conversations admitted since the last pass together (one reset of the
+        model for all); one that cannot start ends with the reason, the others go on."""
         try:
-            self.stage.start(conv.slot, conv.setup)
+            failed = self.stage.start_many({conv.slot: conv.setup for conv in starting})
         except Exception as exc:  # a bad persona must not take the engine down
-            log.exception("starting conversation %s failed", conv.key)
-            self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)
+            failed = {conv.slot: exc for conv in starting}
+        for conv in starting:
+            exc = failed.get(conv.slot)
+            if exc is not None:
+                log.error("starting conversation %s failed", conv.key, exc_info=exc)
+                self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)

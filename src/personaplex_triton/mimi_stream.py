@@ -26,9 +26,9 @@ class MimiSlots:
 
     def reset(self, slots) -> None:
         """Fresh state for these slots."""
-        rows = list(slots)
+        rows = torch.tensor(list(slots), dtype=torch.long, device=self.state[0].device)  # one copy to the device
         for tensor in self.state:
-            tensor[rows] = 0
+            tensor.index_fill_(0, rows, 0)
 
     def _step(self, items: dict[int, np.ndarray]) -> tuple[list[int], torch.Tensor]:
         slots = sorted(items)

@@ -76,15 +76,17 @@ class SlotStates:
             rows.append(row)
         return rows
 
-    def restore(self, slot: int, rows: list[dict]) -> None:
-        """Put a snapshot (of any slot, of a pool whose KV cache may hold another dtype) into `slot`."""
+    def restore(self, slots: torch.Tensor, rows: list[dict]) -> None:
+        """Put a snapshot (of any slot, of a pool whose KV cache may hold another dtype) into
+        each of `slots` (an index tensor on the pool's device), all at once."""
         for state, row in zip(self.states(), rows, strict=True):
             for name, value in _batch_tensors(state, self.num_slots):
-                value[slot] = row[name]
+                value[slots] = row[name]
             if "kv" in row:
                 kv = state.kv_cache
-                kv.cache[:, slot, :, :row["kv"].shape[2]] = store(row["kv"], kv.cache.dtype)
-                kv.end_offset[slot] = row["kv_end_offset"]
+                # cache[:, slots] is [2, len(slots), heads, length, dim]: the row's kv gets the slots' axis
+                kv.cache[:, slots, :, :row["kv"].shape[2]] = store(row["kv"], kv.cache.dtype).unsqueeze(1)
+                kv.end_offset[slots] = row["kv_end_offset"]
 
     @contextmanager
     def _seeing(self, views):

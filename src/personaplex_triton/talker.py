@@ -174,19 +174,47 @@ class Talker:
         self._encodings = pending
 
     def start(self, slot: int, setup: "TalkerSetup") -> None:
+        failed = self.start_many({slot: setup})
+        if slot in failed:
+            raise failed[slot]
+
+    def start_many(self, setups: dict[int, "TalkerSetup"]) -> dict[int, Exception]:
+        """Start conversations in their slots together; returns those that could not, with why
+        (bad settings or a persona that cannot play fail their own conversations only).
+
+        The model's streaming state and Mimi's are reset once for them all. A persona in the
+        cache is copied into all of its slots at once; a new one is prefilled in its first
+        slot, then copied into the others."""
         self.settle()
-        self._unencoded.pop(slot, None)
-        persona, params = setup.persona, setup.sampling
-        params.validate()
-        self.generator.start(slot, params)
-        cached = self.persona_cache.get(persona.key)
-        if cached is not None:
-            self.generator.restore(slot, cached)
-        else:
-            self.mimi.reset([slot])  # a WAV voice prompt is coded from a fresh stream
-            self.play(slot, prefill_program(persona, self.lm.initial_token_id))
-            self.persona_cache.put(persona.key, self.generator.snapshot(slot))
-        self.mimi.reset([slot])  # Mimi starts afresh on the user's audio
+        failed: dict[int, Exception] = {}
+        for slot, setup in setups.items():
+            self._unencoded.pop(slot, None)
+            try:
+                setup.sampling.validate()
+            except ValueError as exc:
+                failed[slot] = exc
+        ready = {slot: setup for slot, setup in setups.items() if slot not in failed}
+        if not ready:
+            return failed
+        self.generator.start_many({slot: setup.sampling for slot, setup in ready.items()})
+        self.mimi.reset(list(ready))  # a WAV voice prompt is coded from a fresh stream
+        by_persona: dict[tuple, list[int]] = {}
+        for slot, setup in ready.items():
+            by_persona.setdefault(setup.persona.key, []).append(slot)
+        for key, slots in by_persona.items():
+            try:
+                snap = self.persona_cache.get(key)
+                if snap is None:
+                    first, slots = slots[0], slots[1:]
+                    self.play(first, prefill_program(ready[first].persona, self.lm.initial_token_id))
+                    snap = self.generator.snapshot(first)
+                    self.persona_cache.put(key, snap)
+                    self.mimi.reset([first])  # Mimi starts afresh on the user's audio
+                if slots:
+                    self.generator.restore(slots, snap)
+            except Exception as exc:  # a persona that cannot play fails its own conversations
+                failed.update((slot, exc) for slot in by_persona[key])
+        return failed
 
     def stop(self, slot: int) -> None:
         self._unencoded.pop(slot, None)  # the next start resets the slot

@@ -33,13 +33,14 @@ class TokenGrid:
         self.provided = torch.zeros((num_slots, K, self.ring), dtype=torch.bool, device=self.device)
         self.offset = torch.zeros(num_slots, dtype=torch.long, device=self.device)
 
-    def start(self, slot: int) -> None:
-        """Fresh state for `slot`, at position 1: position 0 holds the initial tokens."""
-        self.cache[slot] = self.ungenerated
-        self.provided[slot] = False
-        self.cache[slot, :, 0] = self.initial
-        self.provided[slot, :, 0] = True
-        self.offset[slot] = 1
+    def start(self, slots: int | torch.Tensor) -> None:
+        """Fresh state for a slot (or for each slot of an index tensor), at position 1:
+        position 0 holds the initial tokens."""
+        self.cache[slots] = self.ungenerated
+        self.provided[slots] = False
+        self.cache[slots, :, 0] = self.initial
+        self.provided[slots, :, 0] = True
+        self.offset[slots] = 1
 
     def row(self, slot: int, device) -> "TokenGrid":
         """A grid of one row on `device`: a copy of `slot`'s (`put_row` writes it back)."""
@@ -47,8 +48,9 @@ class TokenGrid:
         grid.cache[0], grid.provided[0], grid.offset[0] = self.cache[slot], self.provided[slot], self.offset[slot]
         return grid
 
-    def put_row(self, slot: int, grid: "TokenGrid") -> None:
-        self.cache[slot], self.provided[slot], self.offset[slot] = (
+    def put_row(self, slots: int | torch.Tensor, grid: "TokenGrid") -> None:
+        """Copy a one-row grid into a slot (or into each slot of an index tensor)."""
+        self.cache[slots], self.provided[slots], self.offset[slots] = (
             t[0].to(self.device) for t in (grid.cache, grid.provided, grid.offset))
 
     def read(self, rows: slice, active, forced, is_forced):

@@ -1,7 +1,11 @@
 """The launcher's and the talker's shutdown bookkeeping (shutdown.py); the whole shutdown runs
 against a real server in tests/test_faults.py."""
 
+import os
+import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -52,3 +56,43 @@ def test_a_zombie_stub_is_not_waited_for(tmp_path, monkeypatch):
         assert shutdown.drained(tmp_path)
     finally:
         zombie.wait()
+
+
+def _alive_not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_stub_that_outlives_tritonserver_is_killed(tmp_path):
+    """A stand-in for tritonserver leaves a child that ignores SIGTERM (as a hung stub does)
+    and exits on SIGTERM itself: the launcher's SIGTERM ends both, and the launcher exits 0."""
+    pid_file = tmp_path / "stub.pid"
+    server = tmp_path / "server.py"
+    server.write_text(textwrap.dedent(f"""
+        import signal, subprocess, sys, time
+        stub = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+        open({str(pid_file)!r}, "w").write(str(stub.pid))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        time.sleep(300)
+    """))
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from personaplex_triton.launch import serve; "
+                                 f"sys.exit(serve([sys.executable, {str(server)!r}], {{}}, 1))"])
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the stand-in server never started its stub"
+            time.sleep(0.05)
+        stub = int(pid_file.read_text())
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 0
+        deadline = time.monotonic() + 5
+        while _alive_not_zombie(stub) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive_not_zombie(stub), "the stub outlived the launcher"
+    finally:
+        launcher.kill()
+        if pid_file.exists() and pid_file.read_text() and _alive_not_zombie(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)

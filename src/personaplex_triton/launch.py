@@ -130,57 +130,75 @@ def serve(argv: list[str], env: dict[str, str], grpc_port: int) -> int:
     """Run tritonserver until it exits; its exit status (128 + the signal if one ended it).
 
     SIGTERM or SIGINT (the first one): the talker drains first (shutdown.py), then tritonserver
-    gets SIGTERM; past SHUTDOWN_BOUND_S the server and its stubs are killed."""
+    gets SIGTERM; past SHUTDOWN_BOUND_S the server and its stubs are killed. However it ends,
+    a stub left behind (one that outlived tritonserver) is killed."""
     with tempfile.TemporaryDirectory(prefix="personaplex-shutdown-") as folder:
         # Its own process group: a terminal's Ctrl-C reaches the launcher only, which drains first.
         server = subprocess.Popen(argv, env={**env, SHUTDOWN_DIR_ENV: folder}, process_group=0)
-        signalled = None
+        try:
+            return _supervise(server, Path(folder), grpc_port)
+        finally:
+            _kill_group_left(server.pid)
 
-        def on_signal(signum, _frame):
-            nonlocal signalled
-            if signalled is None:
-                signalled = time.monotonic()
-                print(f"launch: {signal.Signals(signum).name}: draining, then stopping tritonserver "
-                      f"(at most {SHUTDOWN_BOUND_S:.0f} s)", file=sys.stderr, flush=True)
-                write_atomically(Path(folder) / DRAIN_FILE, f"localhost:{grpc_port}")
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, on_signal)
-        stopping, finished = False, None
-        while True:
-            try:
-                status = server.wait(timeout=0.2)
-                return status if status >= 0 else 128 - status
-            except subprocess.TimeoutExpired:
-                pass
-            if signalled is None:
-                continue
-            waited = time.monotonic() - signalled
-            if not stopping and (drained(Path(folder)) or waited > DRAIN_S + DRAIN_MARGIN_S):
-                server.send_signal(signal.SIGTERM)
-                stopping = True
-            if stopping and finished is None and not child_processes(server.pid):
-                finished = time.monotonic()  # every stub process has exited: the models are unloaded
-            if finished is not None and time.monotonic() - finished > ENDPOINTS_GRACE_S:
-                server.kill()
-                server.wait()
-                unfinished = not_finalized(Path(folder))
-                print("launch: the models are unloaded; tritonserver's gRPC endpoint was still waiting for "
-                      "clients' open streams: stopped it" + (f"; not finalized: {', '.join(unfinished)}"
-                                                             if unfinished else ""), file=sys.stderr, flush=True)
-                return 1 if unfinished else 0
-            if waited > SHUTDOWN_BOUND_S:
-                break
-        stubs = child_processes(server.pid)  # they hang on once tritonserver dies
-        for pid in [server.pid, *stubs]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        server.wait()
-        print(f"launch: tritonserver did not exit within {SHUTDOWN_BOUND_S:.0f} s of the signal; killed it "
-              f"and {len(stubs)} stub processes", file=sys.stderr, flush=True)
-        return 1
+def _kill_group_left(group: int) -> None:
+    """Kill what is left of tritonserver's process group once it has exited: a stub that
+    outlives it is reparented away, past `child_processes`, and would hold its memory."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:  # nothing left: the usual case
+        pass
+
+
+def _supervise(server: subprocess.Popen, folder: Path, grpc_port: int) -> int:
+    """`serve`'s loop: wait for tritonserver, and on a signal drain, stop it, kill it if need be."""
+    signalled = None
+
+    def on_signal(signum, _frame):
+        nonlocal signalled
+        if signalled is None:
+            signalled = time.monotonic()
+            print(f"launch: {signal.Signals(signum).name}: draining, then stopping tritonserver "
+                  f"(at most {SHUTDOWN_BOUND_S:.0f} s)", file=sys.stderr, flush=True)
+            write_atomically(folder / DRAIN_FILE, f"localhost:{grpc_port}")
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    stopping, finished = False, None
+    while True:
+        try:
+            status = server.wait(timeout=0.2)
+            return status if status >= 0 else 128 - status
+        except subprocess.TimeoutExpired:
+            pass
+        if signalled is None:
+            continue
+        waited = time.monotonic() - signalled
+        if not stopping and (drained(folder) or waited > DRAIN_S + DRAIN_MARGIN_S):
+            server.send_signal(signal.SIGTERM)
+            stopping = True
+        if stopping and finished is None and not child_processes(server.pid):
+            finished = time.monotonic()  # every stub process has exited: the models are unloaded
+        if finished is not None and time.monotonic() - finished > ENDPOINTS_GRACE_S:
+            server.kill()
+            server.wait()
+            unfinished = not_finalized(folder)
+            print("launch: the models are unloaded; tritonserver's gRPC endpoint was still waiting for "
+                  "clients' open streams: stopped it" + (f"; not finalized: {', '.join(unfinished)}"
+                                                         if unfinished else ""), file=sys.stderr, flush=True)
+            return 1 if unfinished else 0
+        if waited > SHUTDOWN_BOUND_S:
+            break
+    stubs = child_processes(server.pid)  # they hang on once tritonserver dies
+    for pid in [server.pid, *stubs]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.wait()
+    print(f"launch: tritonserver did not exit within {SHUTDOWN_BOUND_S:.0f} s of the signal; killed it "
+          f"and {len(stubs)} stub processes", file=sys.stderr, flush=True)
+    return 1
 
 
 def child_processes(parent: int) -> dict[int, list[str]]:

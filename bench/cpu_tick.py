@@ -111,7 +111,8 @@ def main(argv=None) -> int:
         for clock in clocks.values():
             clock.tick(speech[i % len(speech)], record=i >= 20)
     result = {"command": "python -m bench.cpu_tick " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": report.machine(), "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),
+              "machine": report.machine(), "commit": args.commit or report.git_commit(),
+              "started": started.isoformat(timespec="seconds"),
               "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
               "trees": {label: {"median_ms": summary(c.ticks), "ticks": c.ticks} for label, c in clocks.items()}}
     for clock in clocks.values():

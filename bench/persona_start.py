@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                     ms.clear()
     result = {"command": "python -m bench.persona_start " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": report.machine(), "device": args.device, "checkpoint": report.checkpoint_label(args.checkpoint),
-              "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),
+              "commit": args.commit or report.git_commit(), "started": started.isoformat(timespec="seconds"),
               "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
               "together": args.together,
               "trees": {label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) if s.ms[kind] else None

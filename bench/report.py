@@ -91,6 +91,11 @@ def checkpoint_label(spec: str) -> str:
     return f"{spec} (model.safetensors sha256 {file_sha256(weights)[:12]})"
 
 
+def add_commit_argument(parser) -> None:
+    parser.add_argument("--commit", help="what the tree is (default: git's HEAD here; a copy whose history is stale, "
+                                         "as the GPU host's is, needs it said)")
+
+
 def git_commit() -> str:
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()

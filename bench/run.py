@@ -44,8 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--server-log", type=Path,
                         help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
     parser.add_argument("--name", help="machine part of the file names (default: from this machine's CPU / GPU)")
-    parser.add_argument("--commit", help="what the tree is (default: git's HEAD here; a copy whose history is stale "
-                                         "needs it said)")
+    report.add_commit_argument(parser)
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--conversations", type=int, nargs="+", default=[1, 2, 4],
                         help="real-time load levels (concurrent conversations)")

@@ -39,3 +39,4 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--base", type=Path, help="another source tree to compare (its src/ is used)")
     parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
     parser.add_argument("--name", default=name)
+    report.add_commit_argument(parser)

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from personaplex_triton import loaders  # noqa: E402
 from personaplex_triton.launch import REPO_ROOT  # noqa: E402
+from personaplex_triton.mimi_artefacts import onnx_path  # noqa: E402
 from personaplex_triton.mimi_runtime import RUNTIMES, RuntimeUnavailable, open_step  # noqa: E402
 from personaplex_triton.mimi_stream import MimiSlots  # noqa: E402
 from personaplex_triton.serving import use_device_threads  # noqa: E402
@@ -132,8 +133,6 @@ def weight_read_floor(files, rows: list[dict]) -> list[dict]:
     """What bounds a batch-1 step: every step reads all its weights, so no step can be faster
     than reading them at the memory bandwidth of every core (ONNX Runtime's threads; moshi's
     faster count)."""
-    from personaplex_triton.mimi_artefacts import onnx_path
-
     if not any(r["batch"] == 1 for r in rows):
         return []
     threads = CORES

@@ -57,21 +57,22 @@ class Starter:
         self.device = torch.device(device)
         self.ms: dict[str, list[float]] = {kind: [] for kind in KINDS}
 
-    def _setup(self, voice_seed: int, seed: int):
-        """The persona of the voice drawn from `voice_seed`, with sampling seed `seed`."""
+    def _persona(self, voice_seed: int):
+        """The persona of the voice drawn from `voice_seed`, with the bench's role prompt."""
         gen = torch.Generator().manual_seed(voice_seed)
         voice = self.persona.VoicePrompt(
             f"bench-{voice_seed}", embeddings=0.02 * torch.randn(VOICE_FRAMES, 1, 1, self.talker.lm.dim, generator=gen),
             cache=self.talker.generator.grid.cache[0].cpu().clone())
-        return self.setup(self.persona.Persona(voice, self.prompt), self.sampling.SamplingParams(seed=seed))
+        return self.persona.Persona(voice, self.prompt)
 
     def start(self, voice_seed: int, kind: str) -> None:
         """Slot 0 starts the persona of `voice_seed` (a new persona: the first time); the
         together kinds start slots 1..N on it (after a start of slot 0 cached it)."""
-        slots = [0] if kind in KINDS[:2] else range(1, 1 + self.together)
-        setups = {slot: self._setup(voice_seed, seed=voice_seed + slot) for slot in slots}
         if kind == TOGETHER and not hasattr(self.talker, "start_many"):
             return  # a tree from before start_many
+        persona = self._persona(voice_seed)
+        slots = [0] if kind in KINDS[:2] else range(1, 1 + self.together)
+        setups = {slot: self.setup(persona, self.sampling.SamplingParams(seed=voice_seed + slot)) for slot in slots}
         self._sync()
         started = time.perf_counter()
         if kind == TOGETHER:

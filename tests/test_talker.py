@@ -205,8 +205,12 @@ def test_starting_together_equals_starting_one_by_one(talker, wav_voice, user_fr
     bad setup among them fails alone."""
     from personaplex_triton.talker import PersonaCache
 
-    a = lambda **p: setup(wav_voice, talker.tokenizer, "You are a wise and friendly teacher.", **p)  # noqa: E731
-    b = lambda **p: setup(wav_voice, talker.tokenizer, "Talk about cooking.", **p)  # noqa: E731
+    def a(**sampling):
+        return setup(wav_voice, talker.tokenizer, "You are a wise and friendly teacher.", **sampling)
+
+    def b(**sampling):
+        return setup(wav_voice, talker.tokenizer, "Talk about cooking.", **sampling)
+
     together = {0: a(seed=5), 1: b(seed=6), 2: b(seed=7)}
     alone = {slot: converse(talker, 0, st, user_frames) for slot, st in together.items()}
     talker.persona_cache = PersonaCache(2)

@@ -12,25 +12,20 @@ library imports from here.
     print(result.text, result.summary())
 """
 
-from .live import LiveLine
-from .stream import (
-    DEFAULT_URL,
-    AnsweredFrame,
+from .answers import AnsweredFrame, is_final_response
+from .connection import DEFAULT_URL
+from .errors import (
     ConnectionLostError,
-    ConversationResult,
-    Persona,
     ProtocolError,
     ServerError,
     ServerUnreachableError,
     StreamError,
     StreamTimeoutError,
-    build_persona_inputs,
-    build_request_inputs,
-    is_final_response,
-    latency_percentiles,
-    new_sequence_id,
-    stream_conversation,
 )
+from .live import LiveLine
+from .report import ConversationResult, latency_percentiles
+from .request import Persona, build_persona_inputs, build_request_inputs, new_sequence_id
+from .stream import stream_conversation
 
 __all__ = [
     "DEFAULT_URL",

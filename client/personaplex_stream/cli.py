@@ -19,8 +19,11 @@ from typing import Optional, Sequence
 
 from . import contract
 from .audio import read_wav, write_wav
+from .connection import DEFAULT_URL
+from .errors import StreamError
 from .live import LiveLine
-from .stream import DEFAULT_URL, Persona, StreamError, stream_conversation
+from .request import Persona
+from .stream import stream_conversation
 
 PROG = "personaplex-stream"
 

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
-from .stream import AnsweredFrame
+from .answers import AnsweredFrame
 
 PLAIN_TEXT_CHARS = 60  # of the text so far on a plain line: its end
 

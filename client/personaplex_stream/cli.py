@@ -22,6 +22,7 @@ from .audio import read_wav, write_wav
 from .connection import DEFAULT_URL
 from .errors import StreamError
 from .live import LiveLine
+from .report import ConversationResult
 from .request import Persona
 from .stream import stream_conversation
 
@@ -82,28 +83,22 @@ def _fmt_ms(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.1f} ms"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    out_path = Path(args.output)
-    txt_path = text_output_path(args)
-
-    for path in (out_path, txt_path):  # fail before streaming, not after
+def _unwritable_output(paths: Sequence[Path]) -> Optional[str]:
+    """Why an output cannot be written (its folder is missing or read-only), or None."""
+    for path in paths:
         parent = path.parent if str(path.parent) else Path(".")
         if not parent.is_dir():
-            return _fail(f"output directory {str(parent)!r} does not exist")
+            return f"output directory {str(parent)!r} does not exist"
         if not os.access(parent, os.W_OK):
-            return _fail(f"output directory {str(parent)!r} is not writable")
+            return f"output directory {str(parent)!r} is not writable"
+    return None
 
-    try:
-        pcm = read_wav(args.input, contract.SAMPLE_RATE)
-    except ValueError as exc:
-        return _fail(exc)
-    if pcm.size == 0:
-        return _fail(f"input {args.input!r} contains no audio")
 
+def _stream(args: argparse.Namespace, pcm) -> ConversationResult:
+    """The conversation, its progress on stderr unless --no-progress."""
     live = LiveLine(sys.stderr)
     try:
-        result = stream_conversation(
+        return stream_conversation(
             pcm,
             url=args.url,
             model_name=args.model,
@@ -114,23 +109,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             response_timeout_s=args.timeout,
             on_frame=None if args.no_progress else live,
         )
-    except (StreamError, ValueError) as exc:
+    finally:
         live.end()
-        return _fail(exc)
-    except KeyboardInterrupt:
-        live.end()
-        return _fail("interrupted", 130)
-    live.end()
 
-    try:
-        write_wav(out_path, result.audio, contract.SAMPLE_RATE)
-        txt_path.write_text(result.text + "\n", encoding="utf-8")
-    except OSError as exc:
-        return _fail(f"cannot write output: {exc}")
 
-    summary = result.summary()
-    summary.update({"output": str(out_path), "text_output": str(txt_path), "input": str(args.input)})
-    info = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON line
+def _print_report(args: argparse.Namespace, result: ConversationResult, out_path: Path, txt_path: Path) -> None:
+    """What was written and the figures; with --json, stdout holds only the JSON summary's line."""
+    info = sys.stderr if args.json else sys.stdout
     print(f"wrote {out_path} ({result.frames_received} frames, {result.audio_seconds:.2f} s)", file=info)
     print(f"wrote {txt_path}", file=info)
     print(
@@ -140,7 +125,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         file=info,
     )
     if args.json:
+        summary = result.summary()
+        summary.update({"output": str(out_path), "text_output": str(txt_path), "input": str(args.input)})
         print(json.dumps(summary, ensure_ascii=False))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    out_path = Path(args.output)
+    txt_path = text_output_path(args)
+    problem = _unwritable_output((out_path, txt_path))  # fail before streaming, not after
+    if problem:
+        return _fail(problem)
+    try:
+        pcm = read_wav(args.input, contract.SAMPLE_RATE)
+    except ValueError as exc:
+        return _fail(exc)
+    if pcm.size == 0:
+        return _fail(f"input {args.input!r} contains no audio")
+    try:
+        result = _stream(args, pcm)
+    except (StreamError, ValueError) as exc:
+        return _fail(exc)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    try:
+        write_wav(out_path, result.audio, contract.SAMPLE_RATE)
+        txt_path.write_text(result.text + "\n", encoding="utf-8")
+    except OSError as exc:
+        return _fail(f"cannot write output: {exc}")
+    _print_report(args, result, out_path, txt_path)
     return 0
 
 

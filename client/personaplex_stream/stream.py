@@ -74,7 +74,7 @@ def stream_conversation(
 
 
 def _send_frames(client, frames: np.ndarray, persona: Optional[Persona], model_name: str, sequence_id: int,
-                 answers: AnswerCollector, pacing) -> None:
+                 answers: AnswerCollector, pacing: RealtimePacing | WindowPacing) -> None:
     """Send every frame on the stream in its turn, taking the answers that came after each."""
     outputs = requested_outputs()
     last = frames.shape[0] - 1

@@ -1,0 +1,387 @@
+"""The WebSocket gateway against a real tritonserver (the session's `server`), with real
+WebSocket clients (aiohttp's) on both protocols: audio in and out, frame counts, text, and
+each refusal. The gateways run as their console command does, one process each."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import aiohttp
+import numpy as np
+import pytest
+import sphn
+
+from personaplex_stream import contract
+from personaplex_stream.audio import read_wav
+from personaplex_triton.core.metrics import scrape
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+FRAME = contract.FRAME_SAMPLES
+FRAME_S = FRAME / contract.SAMPLE_RATE
+SECONDS = 2.0  # each conversation's user audio
+CHUNK = 4800  # 0.2 s a message: 2.5 frames, so the gateway must re-frame
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def gateway_process(triton_url: str, *flags: str):
+    """`python -m personaplex_gateway` on a free port until the block ends; yields its base URL."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "personaplex_gateway", "--triton-url", triton_url,
+                                "--port", str(port), "--checkpoint", str(REPO_ROOT / "checkpoints" / "tiny"), *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not come up: {process.stdout.read().decode(errors='replace')}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    with gateway_process(server.grpc_url) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def user_audio():
+    return read_wav(REPO_ROOT / "samples" / "user.wav")[: int(SECONDS * contract.SAMPLE_RATE)]
+
+
+def ws_url(base: str, path: str) -> str:
+    return base.replace("http://", "ws://") + path
+
+
+def talker_active(server) -> float:
+    return scrape(server.metrics_url)['personaplex_conversations_active{model="talker"}']
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return reply.status, json.loads(reply.read())
+
+
+# -- /v1/realtime ----------------------------------------------------------------------------
+
+
+async def realtime_events_until(ws, predicate, timeout_s: float = 30.0) -> list:
+    events = []
+    async with asyncio.timeout(timeout_s):
+        while True:
+            message = await ws.receive()
+            assert message.type == aiohttp.WSMsgType.TEXT, f"expected an event, got {message.type} {message.extra}"
+            events.append(json.loads(message.data))
+            if predicate(events[-1]):
+                return events
+
+
+def pcm16_b64(samples: np.ndarray) -> str:
+    return base64.b64encode((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+
+
+async def realtime_conversation(base: str, audio: np.ndarray, session: dict | None):
+    """A paced conversation: session.update (if given), the audio in real time in 0.2 s appends,
+    then every answer. Returns (events, agent samples, transcript)."""
+    frames = len(audio) // FRAME
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(base, "/v1/realtime")) as ws:
+        created = await realtime_events_until(ws, lambda e: True)
+        assert created[0]["type"] == "session.created"
+        events = []
+        if session is not None:
+            await ws.send_str(json.dumps({"type": "session.update", "session": session}))
+            events += await realtime_events_until(ws, lambda e: e["type"] in ("session.updated", "error"))
+            assert events[-1]["type"] == "session.updated", events[-1]
+        start = time.perf_counter()
+
+        async def send():
+            for i, offset in enumerate(range(0, len(audio), CHUNK)):
+                await asyncio.sleep(max(0.0, start + i * CHUNK / contract.SAMPLE_RATE - time.perf_counter()))
+                await ws.send_str(json.dumps({"type": "input_audio_buffer.append",
+                                              "audio": pcm16_b64(audio[offset:offset + CHUNK])}))
+
+        answered = 0
+
+        def last_frame_or_error(e) -> bool:
+            nonlocal answered
+            answered += e["type"] == "response.output_audio.delta"
+            return e["type"] == "error" or answered == frames
+
+        sender = asyncio.ensure_future(send())
+        events += await realtime_events_until(ws, last_frame_or_error)
+        await sender
+    audio_out = [np.frombuffer(base64.b64decode(e["delta"]), "<i2") for e in events
+                 if e["type"] == "response.output_audio.delta"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+    return events, audio_out, text
+
+
+def test_realtime_conversation_gives_one_audio_frame_per_frame_in_and_text(gateway, user_audio):
+    events, frames_out, text = asyncio.run(realtime_conversation(
+        gateway, user_audio, {"voice": "NATF0", "instructions": "You enjoy having a good conversation.", "seed": 7}))
+    assert not [e for e in events if e["type"] == "error"], events
+    assert events[0]["type"] == "session.updated" and events[0]["session"]["voice"] == "NATF0"
+    assert len(frames_out) == len(user_audio) // FRAME  # every whole frame answered, once
+    assert all(f.size == FRAME for f in frames_out)
+    assert np.abs(np.concatenate(frames_out)).max() > 100  # the agent's audio is not silence
+    assert text.strip(), "no transcript delta in the whole conversation"
+
+
+def test_realtime_starts_with_defaults_at_the_first_append(gateway, user_audio):
+    events, frames_out, _ = asyncio.run(realtime_conversation(gateway, user_audio[: 10 * FRAME], None))
+    assert [e["type"] for e in events][0] == "session.updated"
+    assert len(frames_out) == 10
+
+
+async def realtime_refusal(base: str, first: str | bytes, *, query: str = "") -> tuple[list, int, str]:
+    """Send one message; the events that follow, and the close code and reason (None: still open)."""
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(base, "/v1/realtime" + query)) as ws:
+        await realtime_events_until(ws, lambda e: e["type"] == "session.created")
+        await (ws.send_bytes(first) if isinstance(first, bytes) else ws.send_str(first))
+        events = await realtime_events_until(ws, lambda e: e["type"] in ("error", "session.updated"))
+        closing = await ws.receive(timeout=5) if events[-1]["type"] == "error" else None
+        return events, ws.close_code, (closing.extra if closing is not None else None)
+
+
+def test_realtime_unknown_voice_and_bad_events_are_errors_that_keep_the_socket(gateway):
+    async def run():
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(gateway, "/v1/realtime")) as ws:
+            await realtime_events_until(ws, lambda e: e["type"] == "session.created")
+            errors = []
+            for message in ('{"type": "session.update", "session": {"voice": "NOPE"}}', "{not json",
+                            '{"type": "response.create"}', '{"type": "input_audio_buffer.append", "audio": "@@"}'):
+                await ws.send_str(message)
+                errors += await realtime_events_until(ws, lambda e: e["type"] == "error")
+            await ws.send_str('{"type": "session.update", "session": {"voice": "NATM0"}}')
+            ready = await realtime_events_until(ws, lambda e: e["type"] == "session.updated")
+            return errors, ready[-1]
+
+    errors, ready = asyncio.run(run())
+    assert [e["error"]["code"] for e in errors] == ["unknown_voice", "invalid_event", "unsupported_event", "invalid_audio"]
+    assert "unknown voice 'NOPE'; this server has: NATF0, NATM0" in errors[0]["error"]["message"]
+    assert ready["session"]["voice"] == "NATM0"
+
+
+def test_realtime_oversize_message_is_refused_with_an_error_then_closed(gateway):
+    events, code, reason = asyncio.run(realtime_refusal(gateway, "x" * (200 * 1024)))
+    assert events[-1]["error"]["code"] == "message_too_large"
+    assert code == 1009 and "over the gateway's limit of 131072 bytes" in reason
+
+
+def test_realtime_audio_faster_than_real_time_is_refused(gateway):
+    async def run():
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(gateway, "/v1/realtime")) as ws:
+            await realtime_events_until(ws, lambda e: e["type"] == "session.created")
+            chunk = pcm16_b64(np.zeros(CHUNK, np.float32))
+            for _ in range(30):  # 6 s at once; the gateway holds 1 s of burst and 3 s ahead
+                await ws.send_str(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+            events = await realtime_events_until(ws, lambda e: e["type"] == "error")
+            closing = await ws.receive(timeout=5)
+            return events[-1], ws.close_code, closing.extra
+
+    error, code, reason = asyncio.run(run())
+    assert error["error"]["code"] == "audio_too_fast" and code == 1008 and "faster than real time" in reason
+
+
+# -- /api/chat -------------------------------------------------------------------------------
+
+
+def opus_pages(audio: np.ndarray) -> list[bytes]:
+    """The audio as the Ogg/Opus bytes a client would send, one piece per 80 ms frame (some empty)."""
+    writer = sphn.OpusStreamWriter(contract.SAMPLE_RATE)
+    return [bytes(writer.append_pcm(audio[i:i + FRAME])) for i in range(0, len(audio), FRAME)]
+
+
+async def chat_conversation(base: str, audio: np.ndarray, query: str):
+    """Handshake, then the audio as Opus in real time, reading until the agent's audio covers
+    all but the last 2 frames (the Opus writer holds back a partial page). Returns the kinds
+    of message seen, the decoded agent samples, the text."""
+    reader, pcm, text, kinds = sphn.OpusStreamReader(contract.SAMPLE_RATE), [], [], []
+    want = (len(audio) // FRAME - 2) * FRAME
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(base, "/api/chat" + query)) as ws:
+        first = await ws.receive(timeout=30)
+        assert first.type == aiohttp.WSMsgType.BINARY and first.data == b"\x00", first
+        start = time.perf_counter()
+
+        async def send():
+            for i, page in enumerate(opus_pages(audio)):
+                await asyncio.sleep(max(0.0, start + i * FRAME_S - time.perf_counter()))
+                if page:
+                    await ws.send_bytes(b"\x01" + page)
+
+        sender = asyncio.ensure_future(send())
+        async with asyncio.timeout(30):
+            while sum(p.size for p in pcm) < want:
+                message = await ws.receive()
+                assert message.type == aiohttp.WSMsgType.BINARY, message
+                kinds.append(message.data[0])
+                if message.data[0] == 1:
+                    pcm.append(np.asarray(reader.append_bytes(message.data[1:]), np.float32))
+                elif message.data[0] == 2:
+                    text.append(message.data[1:].decode())
+        await sender
+    return kinds, np.concatenate(pcm), "".join(text)
+
+
+def test_chat_conversation_streams_opus_both_ways_and_text(gateway, user_audio):
+    before = get_json(gateway + "/stats")[1]["frames_out"]
+    kinds, pcm, text = asyncio.run(chat_conversation(
+        gateway, user_audio, "?text_prompt=You%20enjoy%20having%20a%20good%20conversation.&voice_prompt=NATF0.pt"
+                             "&seed=7&text_temperature=0.7&text_topk=25&audio_temperature=0.8&audio_topk=250"
+                             "&pad_mult=0&repetition_penalty=1.0&repetition_penalty_context=64&text_seed=1&audio_seed=2"))
+    assert set(kinds) <= {1, 2} and 1 in kinds
+    assert np.abs(pcm).max() > 0.003  # the agent's audio came through the codec, not silence
+    assert text.strip()
+    frames_out = get_json(gateway + "/stats")[1]["frames_out"] - before
+    assert len(user_audio) // FRAME - 2 <= frames_out <= len(user_audio) // FRAME
+
+
+async def chat_refusal(base: str, query: str, send: bytes | None = None):
+    """The messages up to the close, and the close code and reason."""
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(base, "/api/chat" + query)) as ws:
+        if send is not None:
+            assert (await ws.receive(timeout=30)).data == b"\x00"
+            await ws.send_bytes(send)
+        messages = []
+        async with asyncio.timeout(30):
+            while True:
+                message = await ws.receive()
+                if message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                    return messages, ws.close_code, message.extra
+                messages.append(message.data)
+
+
+def test_chat_unknown_voice_gets_an_error_kind_and_a_close_reason(gateway):
+    messages, code, reason = asyncio.run(chat_refusal(gateway, "?voice_prompt=NOPE.pt&text_prompt="))
+    assert messages == [b"\x05unknown voice 'NOPE'; this server has: NATF0, NATM0"]
+    assert code == 1008 and reason.startswith("unknown voice 'NOPE'")
+
+
+def test_chat_voice_the_server_does_not_have_is_refused_with_the_servers_words(server):
+    with gateway_process(server.grpc_url, "--voices", "NATF0,GHOST") as base:
+        messages, code, reason = asyncio.run(chat_refusal(base, "?voice_prompt=GHOST.pt"))
+    assert messages[0][:1] == b"\x05" and b"unknown voice 'GHOST'" in messages[0]
+    assert code == 1008 and "GHOST" in reason
+
+
+def test_chat_bad_kind_and_oversize_message_are_refused(gateway):
+    messages, code, reason = asyncio.run(chat_refusal(gateway, "?voice_prompt=NATF0.pt", send=b"\x09hello"))
+    assert messages[-1].startswith(b"\x05message kind 0x09 is not accepted") and code == 1003
+    messages, code, reason = asyncio.run(chat_refusal(gateway, "?voice_prompt=NATF0.pt", send=b"\x01" + bytes(200_000)))
+    assert messages[-1].startswith(b"\x05a message of 200001 bytes is over") and code == 1009
+
+
+# -- limits and access -----------------------------------------------------------------------
+
+
+def test_too_many_connections_are_refused_clearly(server):
+    async def run(base):
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(base, "/v1/realtime")) as first:
+            await realtime_events_until(first, lambda e: e["type"] == "session.created")
+            async with http.ws_connect(ws_url(base, "/v1/realtime")) as second:
+                refused = json.loads((await second.receive(timeout=10)).data)
+                closing = await second.receive(timeout=10)
+                return refused, second.close_code, closing.extra, get_json(base + "/stats")[1]
+
+    with gateway_process(server.grpc_url, "--max-connections", "1") as base:
+        refused, code, reason, stats = asyncio.run(run(base))
+        after = get_json(base + "/stats")[1]
+    assert refused["type"] == "error" and refused["error"]["code"] == "too_many_connections"
+    assert code == 1013 and "the gateway is full" in reason
+    assert stats["connection_cap"] == 1 and after["conversations_open"] == 0
+
+
+def test_a_disconnect_mid_conversation_ends_the_sequence_at_once(gateway, server, user_audio):
+    async def run():
+        async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(gateway, "/v1/realtime")) as ws:
+            await ws.send_str(json.dumps({"type": "session.update", "session": {"voice": "NATF0"}}))
+            await realtime_events_until(ws, lambda e: e["type"] == "session.updated")
+            await ws.send_str(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(user_audio[:CHUNK])}))
+            await realtime_events_until(ws, lambda e: e["type"] == "response.output_audio.delta")
+            during = talker_active(server)
+        # the client is gone without a word to the talker: the gateway's end request frees the slot
+        deadline = time.monotonic() + 3
+        while talker_active(server) >= during and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return during, talker_active(server), time.monotonic() - (deadline - 3)
+
+    during, after, took_s = asyncio.run(run())
+    assert during >= 1 and after == during - 1, f"the talker still holds the conversation after {took_s:.1f} s"
+
+
+def test_token_and_origin_are_checked_before_the_upgrade(server):
+    async def attempt(base, query="", headers=None):
+        async with aiohttp.ClientSession() as http:
+            try:
+                async with http.ws_connect(ws_url(base, "/v1/realtime" + query), headers=headers) as ws:
+                    return (await ws.receive(timeout=10)).json()["type"]
+            except aiohttp.WSServerHandshakeError as exc:
+                return exc.status
+
+    with gateway_process(server.grpc_url, "--token", "s3cret", "--origins", "https://app.example") as base:
+        assert asyncio.run(attempt(base)) == 401
+        assert asyncio.run(attempt(base, "?token=wrong")) == 401
+        assert asyncio.run(attempt(base, "?token=s3cret")) == "session.created"
+        assert asyncio.run(attempt(base, headers={"Authorization": "Bearer s3cret"})) == "session.created"
+        assert asyncio.run(attempt(base, "?token=s3cret", {"Origin": "https://evil.example"})) == 403
+        assert asyncio.run(attempt(base, "?token=s3cret", {"Origin": "https://app.example"})) == "session.created"
+
+
+def test_health_voices_and_the_page(gateway):
+    assert get_json(gateway + "/healthz")[0] == 200
+    status, voices = get_json(gateway + "/api/voices")
+    assert status == 200 and voices["voices"] == ["NATF0", "NATM0"] and voices["default_voice"] == "NATF0"
+    assert voices["default_prompt"]
+    with urllib.request.urlopen(gateway + "/", timeout=5) as reply:
+        assert reply.status == 200 and b"<html" in reply.read().lower()
+
+
+def test_health_is_503_without_triton():
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{unused.getsockname()[1]}"
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "personaplex_gateway", "--triton-url", dead, "--port", str(port),
+                                "--voices", "NATF0", "--max-connections", "2"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)
+                pytest.fail("healthz answered 200 with no Triton behind it")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503
+                break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None, "the gateway did not come up"
+                time.sleep(0.2)
+    finally:
+        process.terminate()
+        process.wait(timeout=15)

@@ -24,7 +24,8 @@ let serverReady = false;
 
 window.personaplex = {
   state: "checking", error: "", voices: [], framesSent: 0, framesReceived: 0, framesPlayed: 0,
-  samplesPlayed: 0, peak: 0, underruns: 0, transcript: "", latencyMs: null, latencyMedianMs: null,
+  samplesPlayed: 0, peak: 0, underruns: 0, framesDropped: 0, transcript: "", latencyMs: null, latencyMedianMs: null,
+  elapsedS: 0, contextRate: null,
 };
 
 // "NATF0" -> "Natural female 1": PersonaPlex's voice names; others are shown as they are.
@@ -63,8 +64,11 @@ async function loadVoices() {
   const reply = await fetch("api/voices");
   if (!reply.ok) throw new Error(`the voice list answered HTTP ${reply.status}`);
   const { voices, default_voice: defaultVoice, default_prompt: defaultPrompt } = await reply.json();
-  if (!Array.isArray(voices) || voices.length === 0) throw new Error("the server has no voices");
-  ui.voice.replaceChildren(...voices.map((name) => new Option(voiceLabel(name), name, false, name === defaultVoice)));
+  if (!Array.isArray(voices)) throw new Error("the voice list is not a list");
+  // No names: the gateway does not know them, and the server's default voice is used ("").
+  const options = voices.length ? voices.map((name) => new Option(voiceLabel(name), name, false, name === defaultVoice))
+    : [new Option("Server default", "")];
+  ui.voice.replaceChildren(...options);
   if (defaultPrompt && !ui.prompt.value) ui.prompt.value = defaultPrompt;
   window.personaplex.voices = voices;
 }
@@ -110,7 +114,9 @@ function renderFigures() {
   Object.assign(state, {
     framesSent: c.framesSent, framesReceived: c.framesReceived, framesPlayed: c.playback.framesPlayed,
     samplesPlayed: c.playback.samplesPlayed, peak: c.playback.peak, underruns: c.playback.underruns,
+    framesDropped: c.playback.framesDropped,
     transcript: c.transcript, latencyMs: c.lastLatencyMs, latencyMedianMs: c.medianLatencyMs,
+    elapsedS: c.elapsedS, contextRate: c.context ? c.context.sampleRate : null,
   });
   ui.latency.textContent = c.medianLatencyMs === null ? "–" : `${Math.round(c.medianLatencyMs)} ms`;
   ui.latency.title = c.lastLatencyMs === null ? "" : `median of the last 50 frames; last ${Math.round(c.lastLatencyMs)} ms`;

@@ -90,7 +90,8 @@ export class Conversation extends EventTarget {
     this.userLevel = [];  // RMS per frame, for the meters
     this.agentLevel = [];
     this.playback = { framesPlayed: 0, samplesPlayed: 0, peak: 0, underruns: 0, framesDropped: 0, queuedMs: 0 };
-    this.startedAt = null;
+    this.startedAt = null;  // performance.now() when it went live
+    this.endedAt = null;
   }
 
   setState(state, message = "") {
@@ -146,7 +147,7 @@ export class Conversation extends EventTarget {
     if (this.token) url.searchParams.set("token", this.token);
     this.socket = new WebSocket(url);
     this.socket.onopen = () => {
-      this.setState("loading", `Loading persona ${this.persona.voice}`);
+      this.setState("loading", this.persona.voice ? `Loading persona ${this.persona.voice}` : "Loading persona");
       this.send({ type: "session.update", session: this.persona });
     };
     this.socket.onmessage = (event) => this.receive(event.data);
@@ -225,10 +226,12 @@ export class Conversation extends EventTarget {
   }
 
   get elapsedS() {
-    return this.startedAt === null ? 0 : (performance.now() - this.startedAt) / 1000;
+    if (this.startedAt === null) return 0;
+    return ((this.endedAt === null ? performance.now() : this.endedAt) - this.startedAt) / 1000;
   }
 
   teardown() {
+    if (this.startedAt !== null) this.endedAt = performance.now();
     if (this.socket) {
       this.socket.onclose = null;
       this.socket.onerror = null;

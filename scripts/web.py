@@ -1,0 +1,87 @@
+"""`make web`: serve the default checkpoint to a browser, tritonserver and the gateway together.
+
+Starts `tritonserver` on this repository's model repository (free ports, as `make demo` does)
+and the gateway in front of it (`python -m personaplex_gateway`), waits until the gateway
+reports Triton ready, prints the URL to open, and stops both on Ctrl-C (or SIGTERM).
+Arguments after `--` go to the gateway (`python -m personaplex_gateway -h`).
+"""
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from personaplex_triton.core.paths import REPO_ROOT
+from personaplex_triton.serving.launch import TritonServer
+
+GATEWAY_READY_S = 60
+
+
+def wait_gateway(url: str, gateway: subprocess.Popen, timeout_s: float) -> None:
+    """Until the gateway's /healthz answers 200 (Triton behind it ready); raises if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gateway.poll() is not None:
+            raise RuntimeError(f"the gateway exited with code {gateway.returncode}")
+        try:
+            with urllib.request.urlopen(url + "healthz", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"the gateway at {url} was not ready after {timeout_s:.0f} s")
+
+
+def interrupt(_signum, _frame):
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8080, help="the gateway's port (default %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the gateway's address (default %(default)s; 0.0.0.0 for other machines, "
+                             "whose browsers give the microphone only to https pages: see docs/gateway.md)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "out", help="where the servers' logs go")
+    parser.add_argument("gateway_args", nargs="*", help="after --: more arguments of the gateway")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, interrupt)  # a SIGTERM stops both as Ctrl-C does
+
+    triton_log, gateway_log = args.out / "tritonserver.log", args.out / "gateway.log"
+    print(f"starting tritonserver (log: {triton_log}) ...", flush=True)
+    try:
+        with TritonServer(log_path=triton_log) as server:
+            print(f"tritonserver ready in {server.ready_s:.1f} s on {server.grpc_url}; "
+                  f"starting the gateway (log: {gateway_log}) ...", flush=True)
+            with open(gateway_log, "wb") as log:
+                gateway = subprocess.Popen(
+                    [sys.executable, "-m", "personaplex_gateway", f"--triton-url={server.grpc_url}",
+                     f"--host={args.host}", f"--port={args.port}", *args.gateway_args],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                local = args.host in ("127.0.0.1", "0.0.0.0", "localhost")
+                wait_gateway(f"http://{'127.0.0.1' if local else args.host}:{args.port}/", gateway, GATEWAY_READY_S)
+                print(f"\nOpen http://{'localhost' if local else args.host}:{args.port}/\n"
+                      "(Ctrl-C stops the gateway and tritonserver)", flush=True)
+                gateway.wait()
+                print(f"the gateway exited with code {gateway.returncode} (log: {gateway_log})", file=sys.stderr)
+                return 1
+            finally:
+                if gateway.poll() is None:
+                    gateway.terminate()
+                    gateway.wait(timeout=30)
+    except KeyboardInterrupt:
+        print("\nstopped", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"make web: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

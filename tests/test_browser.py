@@ -1,0 +1,241 @@
+"""The gateway's page at / in a real browser: Debian's Chromium, headless, driven by Playwright,
+with a fake microphone that plays samples/user.wav (looped), against the real gateway in front
+of a real tritonserver on the generated checkpoint.
+
+The page mirrors what it shows on `window.personaplex` (state, frames sent / answered /
+played, the peak of what reached the speakers, transcript, latency), which the tests read.
+
+PERSONAPLEX_PAGE_SCREENSHOT=docs/gateway-page.png writes a screenshot of the page in the
+middle of the conversation (the one in docs/ is made so).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+from playwright.sync_api import sync_playwright
+
+from personaplex_triton.serving.launch import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SPEECH_WAV = REPO_ROOT / "samples" / "user.wav"
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (make browser-deps); Playwright's own download is not used
+SCREENSHOT_ENV = "PERSONAPLEX_PAGE_SCREENSHOT"
+FRAMES_PER_S = 12.5  # 1920-sample frames at 24 kHz
+TALK_S = 12  # at least 10 s of conversation
+# A 2-core CI machine runs tritonserver, the gateway and Chromium at once: generous bounds.
+READY_TIMEOUT_MS = 60_000
+LIVE_TIMEOUT_MS = 120_000  # the persona's prefill (the page's default role prompt is not prefilled at load)
+ANSWERS_TIMEOUT_MS = (TALK_S + 90) * 1000
+GATEWAY_READY_S = 60
+
+if not Path(CHROMIUM).is_file():
+    pytest.skip(f"{CHROMIUM} is absent: Debian's chromium package is not installed (make browser-deps)",
+                allow_module_level=True)
+
+BROWSER_ARGS = [
+    "--use-fake-ui-for-media-stream",  # grants the microphone without a prompt
+    "--use-fake-device-for-media-stream",
+    f"--use-file-for-fake-audio-capture={SPEECH_WAV}",
+    "--autoplay-policy=no-user-gesture-required",
+    "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--no-first-run",
+] + (["--no-sandbox"] if os.geteuid() == 0 else [])  # Chromium's sandbox refuses to run as root
+
+# Makes the page's AudioContext refuse 24 kHz, as some browsers do: it then runs at the
+# browser's own rate and the worklets resample.
+REFUSE_24KHZ = """{
+  const Native = window.AudioContext;
+  window.AudioContext = class extends Native {
+    constructor(options = {}) {
+      if (options.sampleRate) throw new DOMException("sample rate refused", "NotSupportedError");
+      super(options);
+    }
+  };
+}"""
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the gateway exited with code {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "healthz", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"the gateway at {url} was not healthy after {timeout_s:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def gateway(server, tiny_checkpoint, tmp_path_factory):
+    """The real gateway (its console entry point) in front of `server`; its base URL."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "personaplex_gateway", f"--triton-url={server.grpc_url}", f"--port={port}",
+             f"--checkpoint={tiny_checkpoint}"], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_healthy(url, process, GATEWAY_READY_S)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 760}, accept_downloads=True)
+    page = context.new_page()
+    errors = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    yield page
+    context.close()
+    assert not errors, f"the page raised: {errors}"
+
+
+def open_ready(page, url: str) -> dict:
+    page.goto(url)
+    page.wait_for_function("window.personaplex && window.personaplex.state === 'ready'", timeout=READY_TIMEOUT_MS)
+    return page.evaluate("window.personaplex")
+
+
+def state(page) -> dict:
+    return page.evaluate("window.personaplex")
+
+
+def test_a_conversation_in_the_page(page, gateway):
+    ready = open_ready(page, gateway)
+    with urllib.request.urlopen(gateway + "api/voices") as reply:
+        offered = json.load(reply)
+    assert ready["voices"] == offered["voices"] and offered["voices"]
+    assert page.input_value("#voice") == offered["default_voice"]
+    assert page.input_value("#prompt") == offered["default_prompt"]
+
+    page.click("#start")
+    page.wait_for_function("window.personaplex.state === 'live'", timeout=LIVE_TIMEOUT_MS)
+    assert page.text_content("#status-text") == "Live"
+    # Talks for TALK_S, and has TALK_S - 2 s of answers: on a loaded machine they come late, not never.
+    page.wait_for_function(f"window.personaplex.framesSent >= {TALK_S * FRAMES_PER_S} && "
+                           f"window.personaplex.framesReceived >= {(TALK_S - 2) * FRAMES_PER_S}",
+                           timeout=ANSWERS_TIMEOUT_MS)
+    if os.environ.get(SCREENSHOT_ENV):
+        page.screenshot(path=os.environ[SCREENSHOT_ENV])
+    page.click("#stop")
+    page.wait_for_function("window.personaplex.state === 'ended'")
+    ended = state(page)
+
+    assert ended["elapsedS"] >= TALK_S
+    # What arrived went through the jitter buffer to the speakers (played, or dropped where
+    # more than its bound queued), and the agent's (random-weight) audio was far from silence.
+    assert ended["framesPlayed"] + ended["framesDropped"] >= ended["framesReceived"] - 10
+    assert ended["framesPlayed"] >= TALK_S / 2 * FRAMES_PER_S
+    assert ended["peak"] > 0.01, f"the agent's audio reached the speakers silent (peak {ended['peak']})"
+    assert ended["samplesPlayed"] >= ended["framesPlayed"] * 1920
+    # The generated checkpoint's text pieces (random tokens, as the demo prints them) appear.
+    assert ended["transcript"].strip(), "no agent text reached the page"
+    assert page.text_content("#transcript").strip() == ended["transcript"].strip()
+    assert ended["latencyMedianMs"] > 0
+    assert page.text_content("#latency") == f"{round(ended['latencyMedianMs'])} ms"
+
+    # The recording: stereo 24 kHz, the user (the fake microphone's speech) left, the agent right.
+    with page.expect_download() as download:
+        page.click("#download-audio")
+    with wave.open(io.BytesIO(Path(download.value.path()).read_bytes())) as wav:
+        assert (wav.getnchannels(), wav.getframerate(), wav.getsampwidth()) == (2, 24000, 2)
+        assert wav.getnframes() == max(ended["framesSent"], ended["framesReceived"]) * 1920
+        samples = np.frombuffer(wav.readframes(wav.getnframes()), np.int16).reshape(-1, 2)
+    user, agent = samples[:, 0], samples[:, 1]
+    assert np.abs(user).max() > 1000 and np.abs(agent).max() > 300
+    with page.expect_download() as download:
+        page.click("#download-text")
+    assert ended["transcript"].strip() in Path(download.value.path()).read_text()
+
+
+def test_an_unknown_voice_shows_the_servers_message(page, gateway):
+    open_ready(page, gateway)
+    page.evaluate("""() => {
+        const select = document.getElementById("voice");
+        select.append(new Option("NOPE9", "NOPE9"));
+        select.value = "NOPE9";
+    }""")
+    page.click("#start")
+    page.wait_for_function("window.personaplex.state === 'error'", timeout=LIVE_TIMEOUT_MS)
+    message = state(page)["error"]
+    assert "NOPE9" in message and "unknown_voice" in message
+    assert page.is_visible("#error") and page.text_content("#error-text") == message
+    assert page.is_enabled("#start") and not page.is_enabled("#stop")
+
+
+def test_a_browser_that_refuses_24khz_resamples(page, gateway):
+    page.add_init_script(REFUSE_24KHZ)
+    open_ready(page, gateway)
+    page.click("#start")
+    page.wait_for_function("window.personaplex.state === 'live'", timeout=LIVE_TIMEOUT_MS)
+    page.wait_for_function("window.personaplex.elapsedS >= 5", timeout=60_000)
+    page.click("#stop")
+    ended = state(page)
+    assert ended["contextRate"] != 24000
+    # Frames of 1920 samples at 24 kHz leave at 12.5 a second only if the capture resampled.
+    assert ended["framesSent"] == pytest.approx(ended["elapsedS"] * FRAMES_PER_S, rel=0.15)
+    assert ended["framesPlayed"] > 0 and ended["peak"] > 0.01
+    # Played at the context's rate: each 24 kHz frame became 1920 * rate / 24000 samples.
+    assert ended["samplesPlayed"] >= ended["framesPlayed"] * 1920 * ended["contextRate"] / 24000 * 0.95
+
+
+@pytest.mark.parametrize("rate", [44100, 48000])
+def test_the_capture_resampler(page, gateway, rate):
+    """The capture worklet, offline at `rate`: a 1 kHz tone keeps its level and its frequency at
+    24 kHz, and a 15 kHz one, above 24 kHz's Nyquist, is filtered out, not folded to 9 kHz."""
+    page.goto(gateway)
+    measured = page.evaluate("""async (rate) => {
+        const tone = async (hz) => {
+            const context = new OfflineAudioContext(1, rate, rate);  // 1 s
+            await context.audioWorklet.addModule("audio-processors.js");
+            const capture = new AudioWorkletNode(context, "capture-processor", { numberOfOutputs: 0 });
+            const frames = [];
+            capture.port.onmessage = (event) => frames.push(event.data);
+            const oscillator = new OscillatorNode(context, { frequency: hz });
+            const gain = new GainNode(context, { gain: 0.5 });
+            oscillator.connect(gain).connect(capture);
+            oscillator.start();
+            await context.startRendering();
+            await new Promise((resolve) => setTimeout(resolve, 200));  // the last frames' messages
+            const steady = frames.slice(1).flatMap((frame) => Array.from(frame));  // past the filter's start
+            const rms = Math.sqrt(steady.reduce((sum, s) => sum + s * s, 0) / steady.length);
+            let crossings = 0;
+            for (let i = 1; i < steady.length; i++) if ((steady[i - 1] < 0) !== (steady[i] < 0)) crossings++;
+            return { frames: frames.length, rms, hz: crossings / 2 / (steady.length / 24000) };
+        };
+        return { low: await tone(1000), high: await tone(15000) };
+    }""", rate)
+    assert measured["low"]["frames"] == 12  # 1 s at 24 kHz: 12 whole frames of 1920
+    assert measured["low"]["rms"] == pytest.approx(0.5 / np.sqrt(2), rel=0.02)
+    assert measured["low"]["hz"] == pytest.approx(1000, rel=0.01)
+    assert measured["high"]["rms"] < 0.01

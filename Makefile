@@ -34,7 +34,7 @@ demo: export
 	$(PY) scripts/demo.py
 
 serve: export
-	$(PY) -m personaplex_triton.launch
+	$(PY) -m personaplex_triton.serving.launch
 
 test: export bench-deps deploy-deps
 	$(PY) -m pytest -q
@@ -75,7 +75,7 @@ $(VENV)/.deploy-installed: $(VENV)/.installed pyproject.toml
 
 # model_repository/*/config.pbtxt from the wire contract (client/personaplex_stream/contract.py, seam.py); a test checks them.
 configs: venv
-	$(PY) -m personaplex_triton.model_configs
+	$(PY) -m personaplex_triton.serving.model_configs
 
 clean:
 	rm -rf out .pytest_cache

@@ -37,13 +37,11 @@ class TickClock:
     """A talker of one tree, one conversation started, each tick's CPU time by part."""
 
     def __init__(self, package: str, checkpoint: str):
-        import importlib
-
-        loaders = importlib.import_module(f"{package}.loaders")
-        talker = importlib.import_module(f"{package}.talker")
-        mimi_runtime = importlib.import_module(f"{package}.mimi_runtime")
-        persona = importlib.import_module(f"{package}.persona")
-        sampling = importlib.import_module(f"{package}.sampling")
+        loaders = trees.tree_module(package, "core.loaders")
+        talker = trees.tree_module(package, "stages.talker")
+        mimi_runtime = trees.tree_module(package, "mimi.runtime")
+        persona = trees.tree_module(package, "stages.persona")
+        sampling = trees.tree_module(package, "lm.sampling")
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, "cpu", None)
         tokenizer = loaders.get_tokenizer(files)

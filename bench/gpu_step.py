@@ -52,9 +52,9 @@ def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
     the reference's state, then the conversation goes on from the reference's. Agreement from
     one state, not of two free runs: with random weights one flipped near-tie sends two free
     runs apart for good."""
-    from personaplex_triton.generation import SlotGenerator, StepInputs
-    from personaplex_triton.sampling import SamplingParams
-    from personaplex_triton.token_grid import NUM_AUDIO
+    from personaplex_triton.lm.generation import SlotGenerator, StepInputs
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.lm.token_grid import NUM_AUDIO
 
     twin = copy.deepcopy(lm, memo={id(t): t for t in (*lm.parameters(), *lm.buffers())})  # own streaming state
     generators = [SlotGenerator(model, 1, cuda_graphs=False, **options)
@@ -92,9 +92,9 @@ def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
 def new_persona_ms(talker, tokenizer) -> float:
     """How long slot 0 takes to start with a persona it has not seen: a voice bundle of 200
     frames (PersonaPlex ships about that) and a role prompt, all prefilled; median of 3."""
-    from personaplex_triton.persona import Persona, VoicePrompt
-    from personaplex_triton.sampling import SamplingParams
-    from personaplex_triton.talker import TalkerSetup
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.stages.persona import Persona, VoicePrompt
+    from personaplex_triton.stages.talker import TalkerSetup
 
     prompt = tuple(tokenizer.encode("You are a wise and friendly teacher. Answer questions or provide "
                                     "advice in a clear and engaging way."))
@@ -128,11 +128,12 @@ def main():
     from moshi.models import loaders as moshi_loaders
     import sentencepiece
 
-    from personaplex_triton import kv_cache, loaders
-    from personaplex_triton.code2wav import Code2Wav
-    from personaplex_triton.mimi_runtime import TorchStepRunner
-    from personaplex_triton.persona import VoicePrompt
-    from personaplex_triton.talker import conversation_bytes, conversations_that_fit
+    from personaplex_triton.core import loaders
+    from personaplex_triton.lm import kv_cache
+    from personaplex_triton.mimi.runtime import TorchStepRunner
+    from personaplex_triton.stages.code2wav import Code2Wav
+    from personaplex_triton.stages.persona import VoicePrompt
+    from personaplex_triton.stages.talker import conversation_bytes, conversations_that_fit
 
     args = parse_args()
     if args.from_json:
@@ -206,9 +207,9 @@ def main():
 def talker_ticks(lm, encoder, tokenizer, pool: int, attention: str, kv_dtype, voice, frames, args) -> list[dict]:
     """A talker of `pool` slots: a new persona's start, then the tick of the first `slots` slots
     (the step runs on their bucket) at each fill and slot count up to the pool."""
-    from personaplex_triton.persona import Persona
-    from personaplex_triton.sampling import SamplingParams
-    from personaplex_triton.talker import Talker, TalkerSetup
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.stages.persona import Persona
+    from personaplex_triton.stages.talker import Talker, TalkerSetup
 
     graphs = not args.no_cuda_graphs
     talker = Talker(lm, encoder, tokenizer, pool, persona_cache_size=1, cuda_graphs=graphs,
@@ -239,7 +240,7 @@ def talker_ticks(lm, encoder, tokenizer, pool: int, attention: str, kv_dtype, vo
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from personaplex_triton import kv_cache
+    from personaplex_triton.lm import kv_cache
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", type=int, nargs="+", default=[1, 8, 32, 64])

@@ -15,7 +15,7 @@ import numpy as np
 
 from personaplex_stream import stream_conversation
 
-from personaplex_triton import trace
+from personaplex_triton.core import trace
 
 from . import stats
 from .workload import new_persona, persona_for

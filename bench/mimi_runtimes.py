@@ -31,12 +31,12 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # before moshi is imported
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from personaplex_triton import loaders  # noqa: E402
-from personaplex_triton.launch import REPO_ROOT  # noqa: E402
-from personaplex_triton.mimi_artefacts import onnx_path  # noqa: E402
-from personaplex_triton.mimi_runtime import RUNTIMES, RuntimeUnavailable, open_step  # noqa: E402
-from personaplex_triton.mimi_stream import MimiSlots  # noqa: E402
-from personaplex_triton.serving import use_device_threads  # noqa: E402
+from personaplex_triton.core import loaders  # noqa: E402
+from personaplex_triton.core.paths import REPO_ROOT  # noqa: E402
+from personaplex_triton.mimi.artefacts import onnx_path  # noqa: E402
+from personaplex_triton.mimi.runtime import RUNTIMES, RuntimeUnavailable, open_step  # noqa: E402
+from personaplex_triton.mimi.stream import MimiSlots  # noqa: E402
+from personaplex_triton.serving.serving import use_device_threads  # noqa: E402
 
 from . import report as run_report  # noqa: E402
 
@@ -156,10 +156,10 @@ def moshi_label(threads: int) -> str:
 
 def time_frame_budget(files, ticks) -> dict:
     """One live conversation of the embedded default, as served: its stages' ticks."""
-    from personaplex_triton.code2wav import Code2Wav
-    from personaplex_triton.persona import Persona, VoicePrompt
-    from personaplex_triton.sampling import SamplingParams
-    from personaplex_triton.talker import Talker, TalkerSetup
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.stages.code2wav import Code2Wav
+    from personaplex_triton.stages.persona import Persona, VoicePrompt
+    from personaplex_triton.stages.talker import Talker, TalkerSetup
 
     rng = np.random.default_rng(1)
     encoder, decoder = open_step("encoder", files), open_step("decoder", files)

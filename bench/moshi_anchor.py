@@ -32,7 +32,7 @@ def step_ms(lm, batch: int, steps: int) -> float:
 def main(argv=None) -> int:
     from moshi.models import loaders as moshi_loaders
 
-    from personaplex_triton import loaders
+    from personaplex_triton.core import loaders
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32, 48, 64])

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from personaplex_stream import Persona, stream_conversation
-from personaplex_triton import contract
-from personaplex_triton.serving import Code2WavService, TalkerService, pick_device
+from personaplex_triton.core import contract
+from personaplex_triton.serving.serving import Code2WavService, TalkerService, pick_device
 
 from . import stats
 from .workload import persona_arrays

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from personaplex_stream import Persona
-from personaplex_triton import contract
+from personaplex_triton.core import contract
 
 from . import stats
 from .workload import persona_values

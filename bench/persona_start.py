@@ -16,7 +16,6 @@ graphs (a start runs none).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import sys
@@ -39,11 +38,11 @@ class Starter:
     """A talker of one tree, and the starts it is timed on."""
 
     def __init__(self, package: str, checkpoint: str, device: str, together: int):
-        loaders = importlib.import_module(f"{package}.loaders")
-        talker = importlib.import_module(f"{package}.talker")
-        mimi_runtime = importlib.import_module(f"{package}.mimi_runtime")
-        self.persona = importlib.import_module(f"{package}.persona")
-        self.sampling = importlib.import_module(f"{package}.sampling")
+        loaders = trees.tree_module(package, "core.loaders")
+        talker = trees.tree_module(package, "stages.talker")
+        mimi_runtime = trees.tree_module(package, "mimi.runtime")
+        self.persona = trees.tree_module(package, "stages.persona")
+        self.sampling = trees.tree_module(package, "lm.sampling")
         files = loaders.resolve_checkpoint(checkpoint)
         lm = loaders.get_lm(files, device, None)
         self.tokenizer = loaders.get_tokenizer(files)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from personaplex_triton.launch import REPO_ROOT
-from personaplex_triton.mimi_artefacts import file_sha256
-from personaplex_triton.serving import slots_in_log
+from personaplex_triton.core.paths import REPO_ROOT
+from personaplex_triton.mimi.artefacts import file_sha256
+from personaplex_triton.serving.serving import slots_in_log
 
 from . import stats
 from .loadgen import NEW_PERSONA_AFTER_S
@@ -176,7 +176,7 @@ def markdown(result: dict) -> str:
                   + (f"**{best}**." if best else "**none** of those tested."), ""]
         traced = [r for r in result["load"] if r.get("trace", {}).get("frames_traced")]
         if traced:
-            from personaplex_triton.trace import SEGMENTS
+            from personaplex_triton.core.trace import SEGMENTS
 
             lines += ["### Where a frame's time goes", "",
                       "From the stages' frame traces (`PERSONAPLEX_TRACE_DIR`) and the client's send and "

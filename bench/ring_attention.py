@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from personaplex_triton import kv_cache, ring_attention
+from personaplex_triton.lm import kv_cache, ring_attention
 
 HEADS, HEAD_DIM, CAPACITY = 32, 128, 3000  # the 7B's temporal transformer
 

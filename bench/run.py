@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from personaplex_stream import stream_conversation
-from personaplex_triton.launch import REPO_ROOT, TritonServer
-from personaplex_triton.loaders import checkpoint_spec
-from personaplex_triton.trace import TRACE_DIR_ENV
+from personaplex_triton.core.loaders import checkpoint_spec
+from personaplex_triton.core.paths import REPO_ROOT
+from personaplex_triton.core.trace import TRACE_DIR_ENV
+from personaplex_triton.serving.launch import TritonServer
 
 from . import loadgen, overhead, perf_analyzer, report, stats
 from .workload import PERSONA, frames as user_frames

@@ -33,9 +33,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from personaplex_stream import is_final_response
 
-from personaplex_triton import contract
-from personaplex_triton.launch import MODEL_REPOSITORY, REPO_ROOT, TritonServer
-from personaplex_triton.metrics import scrape
+from personaplex_triton.core import contract
+from personaplex_triton.core.metrics import scrape
+from personaplex_triton.core.paths import MODEL_REPOSITORY, REPO_ROOT
+from personaplex_triton.serving.launch import TritonServer
 
 from . import report
 

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from personaplex_stream import latency_percentiles
-from personaplex_triton import contract
+from personaplex_triton.core import contract
 
 FRAME_MS = 1000.0 * contract.FRAME_SAMPLES / contract.SAMPLE_RATE  # 80 ms
 QUANTILES = (50, 95, 99)

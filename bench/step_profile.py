@@ -27,7 +27,7 @@ PROFILED_STEPS = 3
 
 
 def step_inputs(b: int):
-    from personaplex_triton.generation import StepInputs
+    from personaplex_triton.lm.generation import StepInputs
 
     none = torch.zeros(b, dtype=torch.bool, device="cuda")
     zeros = torch.zeros(b, 8, dtype=torch.long, device="cuda")
@@ -61,9 +61,10 @@ def kernels(generator, inputs) -> dict:
 def profile_tree(args) -> dict:
     from moshi.models import loaders as moshi_loaders
 
-    from personaplex_triton import kv_cache, loaders
-    from personaplex_triton.generation import SlotGenerator
-    from personaplex_triton.sampling import SamplingParams
+    from personaplex_triton.core import loaders
+    from personaplex_triton.lm import kv_cache
+    from personaplex_triton.lm.generation import SlotGenerator
+    from personaplex_triton.lm.sampling import SamplingParams
 
     torch.manual_seed(0)
     lm = moshi_loaders.get_moshi_lm(None, lm_kwargs=loaders.PERSONAPLEX_LM_KWARGS, device="cuda",

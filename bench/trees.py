@@ -25,6 +25,18 @@ def load_tree(src: Path, name: str):
     return package
 
 
+def tree_module(package: str, layered: str):
+    """`package`'s module `layered` ("stages.talker", "mimi.runtime"), or, in a --base tree
+    from before the library's layers, the flat module it was ("talker", "mimi_runtime")."""
+    try:
+        return importlib.import_module(f"{package}.{layered}")
+    except ModuleNotFoundError as exc:
+        if not f"{package}.{layered}".startswith(str(exc.name)):
+            raise  # a dependency of the module is missing, not the module
+    layer, name = layered.split(".")
+    return importlib.import_module(f"{package}.{layer}_{name}" if layer == "mimi" else f"{package}.{name}")
+
+
 def packages(base: Path | None) -> dict[str, str]:
     """{label: package name} of the trees to run: a --base tree (loaded here) first, then this one."""
     if base is None:

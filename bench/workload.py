@@ -12,8 +12,8 @@ import dataclasses
 import numpy as np
 
 from personaplex_stream import Persona
-from personaplex_triton import audio
-from personaplex_triton.launch import REPO_ROOT
+from personaplex_triton.core import audio
+from personaplex_triton.core.paths import REPO_ROOT
 
 USER_WAV = REPO_ROOT / "samples" / "user.wav"
 PERSONA = Persona(voice="NATF0", text_prompt="You are a friendly travel agent. You help plan trips.", seed=0)

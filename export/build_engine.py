@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without installing the package
 
-from personaplex_triton import loaders  # noqa: E402
-from personaplex_triton.launch import model_parameter  # noqa: E402
-from personaplex_triton.mimi_artefacts import (  # noqa: E402
+from personaplex_triton.core import loaders  # noqa: E402
+from personaplex_triton.mimi.artefacts import (  # noqa: E402
     file_sha256, metadata_path, onnx_path, plan_path, read_metadata, stale_reason)
+from personaplex_triton.serving.launch import model_parameter  # noqa: E402
 
 STAGE_MODEL = {"encoder": "talker", "decoder": "code2wav"}  # the model whose pool sizes the profile
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")

@@ -25,11 +25,11 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # before moshi is imported
 
 import torch  # noqa: E402
 
-from personaplex_triton import loaders  # noqa: E402
-from personaplex_triton.mimi_artefacts import (  # noqa: E402
+from personaplex_triton.core import loaders  # noqa: E402
+from personaplex_triton.mimi.artefacts import (  # noqa: E402
     file_sha256, metadata_path, onnx_path, stale_reason, step_source_sha256)
-from personaplex_triton.mimi_runtime import OnnxRuntimeRunner, TorchStepRunner, tensor_specs_json  # noqa: E402
-from personaplex_triton.mimi_steps import STEPS, write_state  # noqa: E402
+from personaplex_triton.mimi.runtime import OnnxRuntimeRunner, TorchStepRunner, tensor_specs_json  # noqa: E402
+from personaplex_triton.mimi.steps import STEPS, write_state  # noqa: E402
 
 CHECK_BATCH, CHECK_FRAMES = 3, 4
 # A tolerance for the self-check only; tests/test_mimi_runtime.py holds the parity bar.

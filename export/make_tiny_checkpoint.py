@@ -9,7 +9,7 @@
 measuring the real model's speed and memory; everything else is as for the small one.
 
 The folder has exactly the layout of `nvidia/personaplex-7b-v1`, so the loader that reads the
-real weights (personaplex_triton.loaders) reads it too:
+real weights (personaplex_triton.core.loaders) reads it too:
 
     model.safetensors                             LM: PersonaPlex's architecture (16-codebook
                                                   depformer, same delays, vocabularies and
@@ -72,10 +72,10 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # before moshi is imported
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 try:
-    from personaplex_triton import loaders
+    from personaplex_triton.core import loaders
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT / "src"))
-    from personaplex_triton import loaders
+    from personaplex_triton.core import loaders
 
 TOOL_VERSION = "2"
 SIZES = ("tiny", "7b")
@@ -316,10 +316,10 @@ def write_voice_bundles(out_dir: Path, device: str = "cpu") -> float:
     Returns the seconds the loader took to read the LM."""
     import torch
 
-    from personaplex_triton import loaders
-    from personaplex_triton.mimi_runtime import open_step
-    from personaplex_triton.persona import load_voice
-    from personaplex_triton.talker import Talker, make_voice_bundle
+    from personaplex_triton.core import loaders
+    from personaplex_triton.mimi.runtime import open_step
+    from personaplex_triton.stages.persona import load_voice
+    from personaplex_triton.stages.talker import Talker, make_voice_bundle
 
     files = loaders.resolve_checkpoint(out_dir)
     # torch: the ONNX export is made from the checkpoint, after it.

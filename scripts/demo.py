@@ -14,8 +14,9 @@ from pathlib import Path
 
 from personaplex_stream import LiveLine, Persona, contract, stream_conversation
 from personaplex_stream.audio import read_wav, write_wav
-from personaplex_triton.launch import REPO_ROOT, TritonServer
-from personaplex_triton.serving import warmed_in_log
+from personaplex_triton.core.paths import REPO_ROOT
+from personaplex_triton.serving.launch import TritonServer
+from personaplex_triton.serving.serving import warmed_in_log
 
 FRAME_MS = round(1000 * contract.FRAME_SAMPLES / contract.SAMPLE_RATE)
 

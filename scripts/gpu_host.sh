@@ -128,7 +128,7 @@ serve() {
     if ready; then echo "already serving"; return; fi
     local started=$SECONDS
     rm -rf "$TRACE_DIR"
-    PERSONAPLEX_TRACE_DIR=$TRACE_DIR setsid python -m personaplex_triton.launch > "$HOST/tritonserver.log" 2>&1 < /dev/null &
+    PERSONAPLEX_TRACE_DIR=$TRACE_DIR setsid python -m personaplex_triton.serving.launch > "$HOST/tritonserver.log" 2>&1 < /dev/null &
     echo $! > "$HOST/tritonserver.pid"
     until ready; do
         if ! kill -0 "$(cat "$HOST/tritonserver.pid")" 2>/dev/null; then

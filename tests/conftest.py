@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_triton.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER, TritonServer
-from personaplex_triton.trace import TRACE_DIR_ENV
+from personaplex_triton.core.trace import TRACE_DIR_ENV
+from personaplex_triton.serving.launch import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER, TritonServer
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")
 
@@ -40,7 +40,7 @@ def tiny_moshi_lm(device, dtype, **size):
     (`size` overrides some), random weights."""
     from moshi.models import loaders as moshi_loaders
 
-    from personaplex_triton import loaders
+    from personaplex_triton.core import loaders
 
     kwargs = {**loaders.PERSONAPLEX_LM_KWARGS, **loaders.TINY_LM_SIZE, **size}
     return moshi_loaders.get_moshi_lm(None, lm_kwargs=kwargs, device=device, dtype=dtype).eval()
@@ -51,7 +51,7 @@ def greedy_tokens_of(gen, active_at, steps: int) -> list:
     user codes, nothing else forced, `active_at(i)` the rows active at step i ([num_slots] bools)."""
     import torch
 
-    from personaplex_triton.generation import StepInputs
+    from personaplex_triton.lm.generation import StepInputs
 
     rows, device = gen.num_slots, gen.device
     rng = torch.Generator().manual_seed(1)
@@ -76,7 +76,7 @@ def rope_and_store_against_moshi(device, stored, rtol: float) -> None:
     from moshi.modules.rope import apply_rope
     from moshi.modules.transformer import RingKVCache
 
-    from personaplex_triton import kv_cache, ring_attention
+    from personaplex_triton.lm import kv_cache, ring_attention
 
     torch.manual_seed(2)
     device = torch.device(device)
@@ -123,7 +123,7 @@ def tiny_checkpoint(make_tiny) -> Path:
 
 @pytest.fixture(scope="session")
 def files(tiny_checkpoint):
-    from personaplex_triton import loaders
+    from personaplex_triton.core import loaders
 
     return loaders.resolve_checkpoint(tiny_checkpoint)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from personaplex_triton import audio, seam
-from personaplex_triton.mimi_stream import MimiSlots
+from personaplex_triton.core import audio, seam
+from personaplex_triton.mimi.stream import MimiSlots
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Unit tests of personaplex_triton.audio and the client's personaplex_stream.audio under it
+"""Unit tests of personaplex_triton.core.audio and the client's personaplex_stream.audio under it
 (no server, no torch)."""
 
 import math
@@ -11,8 +11,8 @@ import pytest
 from scipy.io import wavfile
 from scipy.signal import resample_poly
 
-from personaplex_triton import audio
-from personaplex_triton.contract import FRAME_SAMPLES, SAMPLE_RATE
+from personaplex_triton.core import audio
+from personaplex_triton.core.contract import FRAME_SAMPLES, SAMPLE_RATE
 
 
 def _sine(freq, seconds, rate, amp=0.5):

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 from personaplex_stream import Persona, ServerError, StreamError, stream_conversation
-from personaplex_triton import contract, model_configs
-from personaplex_triton.launch import REPO_ROOT, TritonServer, free_port
+from personaplex_triton.core import contract
+from personaplex_triton.core.paths import REPO_ROOT
+from personaplex_triton.serving import model_configs
+from personaplex_triton.serving.launch import TritonServer, free_port
 
 pytestmark = pytest.mark.integration
 

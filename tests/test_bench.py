@@ -6,7 +6,7 @@ import pytest
 
 from bench import loadgen, overhead, perf_analyzer, report, stats, workload
 from personaplex_stream import Persona
-from personaplex_triton import contract, loaders
+from personaplex_triton.core import contract, loaders
 
 
 def test_percentiles_and_late_frames():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from personaplex_triton import audio, loaders
+from personaplex_triton.core import audio, loaders
 
 PUBLISHED_NAMES = {
     loaders.MOSHI_NAME, loaders.MIMI_NAME, loaders.TOKENIZER_NAME, loaders.VOICES_DIR,

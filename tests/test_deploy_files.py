@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from personaplex_triton.launch import REPO_ROOT
+from personaplex_triton.core.paths import REPO_ROOT
 
 VENV_BIN = Path(sys.executable).parent
 

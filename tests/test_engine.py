@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from personaplex_triton.engine import ConversationError, SlotEngine
+from personaplex_triton.engine.engine import ConversationError, SlotEngine
 
 
 class CountingStage:
@@ -213,8 +213,8 @@ def test_restart_resets_an_idle_conversation(engine):
 
 
 # -- faults, limits of time, health -------------------------------------------------------
-from personaplex_triton.faults import FaultPlan, SlotFault  # noqa: E402
-from personaplex_triton.metrics import Metrics  # noqa: E402
+from personaplex_triton.core.faults import FaultPlan, SlotFault  # noqa: E402
+from personaplex_triton.core.metrics import Metrics  # noqa: E402
 
 
 class RecordingMetrics(Metrics):

@@ -18,9 +18,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, is_final_response, stream_conversation
-from personaplex_triton import contract, health, loaders
-from personaplex_triton.metrics import scrape
-from personaplex_triton.launch import MODEL_REPOSITORY, TritonServer, child_processes
+from personaplex_triton.core import contract, loaders
+from personaplex_triton.core.metrics import scrape
+from personaplex_triton.core.paths import MODEL_REPOSITORY
+from personaplex_triton.serving import health
+from personaplex_triton.serving.launch import TritonServer, child_processes
 from triton_requests import raw_request, tensor, voice_input
 
 pytestmark = pytest.mark.integration
@@ -181,7 +183,7 @@ def test_metrics_on_the_prometheus_endpoint(faulty):
 def test_killed_stub_turns_the_health_check_false(faulty):
     """Last in this module: it leaves the server's talker dead."""
     assert health.problems(faulty.http_url, faulty.metrics_url) == []
-    cli = subprocess.run([sys.executable, "-m", "personaplex_triton.health",
+    cli = subprocess.run([sys.executable, "-m", "personaplex_triton.serving.health",
                           "--url", faulty.http_url, "--metrics-url", faulty.metrics_url],
                          capture_output=True, text=True, timeout=60)
     pids = faulty.stub_pids("talker")
@@ -228,7 +230,7 @@ def test_sigterm_drains_then_exits_cleanly_with_conversations_open(tiny_checkpoi
     pending request is answered in full; a new conversation and a new request are refused with
     an error naming the shutdown; the idle client's stream is closed, not left silent; the
     launcher exits 0 within its bound, with no stub process or shared memory left behind."""
-    from personaplex_triton.launch import SHUTDOWN_BOUND_S
+    from personaplex_triton.serving.launch import SHUTDOWN_BOUND_S
 
     log = tmp_path / "triton.log"
     server = TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log)

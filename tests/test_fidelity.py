@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_triton import audio, loaders
-from personaplex_triton.mimi_runtime import open_step
-from personaplex_triton.persona import Persona, load_voice, system_prompt_tokens
-from personaplex_triton.sampling import SamplingParams
-from personaplex_triton.talker import Talker, TalkerSetup
+from personaplex_triton.core import audio, loaders
+from personaplex_triton.lm.sampling import SamplingParams
+from personaplex_triton.mimi.runtime import open_step
+from personaplex_triton.stages.persona import Persona, load_voice, system_prompt_tokens
+from personaplex_triton.stages.talker import Talker, TalkerSetup
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "data" / "reference_tokens.json"

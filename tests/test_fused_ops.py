@@ -15,7 +15,7 @@ from moshi.modules.gating import ActivationGating
 from moshi.modules.transformer import RMSNorm
 from torch.nn import functional as F
 
-from personaplex_triton import fused_ops, kv_cache, ring_attention
+from personaplex_triton.lm import fused_ops, kv_cache, ring_attention
 
 pytestmark = pytest.mark.skipif(
     fused_ops.triton is None or os.environ.get("TRITON_INTERPRET") != "1",

@@ -10,9 +10,9 @@ from moshi.modules.gating import ActivationGating
 from moshi.modules.transformer import RMSNorm
 from torch.nn import functional as F
 
-from personaplex_triton import fused_ops, kv_cache, ring_attention
-from personaplex_triton.generation import SlotGenerator, StepInputs
-from personaplex_triton.sampling import SamplingParams
+from personaplex_triton.lm import fused_ops, kv_cache, ring_attention
+from personaplex_triton.lm.generation import SlotGenerator, StepInputs
+from personaplex_triton.lm.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 
@@ -156,7 +156,7 @@ def test_torch_mimi_step_on_gpu_matches_moshi_streaming(stage, cuda_graphs):
     1, 2, 3 conversations, so the graphs run padded buckets."""
     from conftest import load_export_tool
     from mimi_parity import assert_parity
-    from personaplex_triton.mimi_runtime import TorchStepRunner
+    from personaplex_triton.mimi.runtime import TorchStepRunner
 
     mimi = load_export_tool("make_tiny_checkpoint").build_mimi(seed=0).cuda()
     # Without TF32: cuDNN's TF32 convolutions (PyTorch's default) pick kernels by batch size,

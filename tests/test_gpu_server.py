@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from personaplex_stream import Persona, stream_conversation
-from personaplex_triton import audio, contract
-from personaplex_triton.launch import MODEL_REPOSITORY, REPO_ROOT, TritonServer
+from personaplex_triton.core import audio, contract
+from personaplex_triton.core.paths import MODEL_REPOSITORY, REPO_ROOT
+from personaplex_triton.serving.launch import TritonServer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 

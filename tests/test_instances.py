@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from personaplex_stream import Persona, stream_conversation
-from personaplex_triton import contract, model_configs
-from personaplex_triton.launch import TritonServer
+from personaplex_triton.core import contract
+from personaplex_triton.serving import model_configs
+from personaplex_triton.serving.launch import TritonServer
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from personaplex_stream import Persona, ServerError, stream_conversation
-from personaplex_triton import audio, contract, loaders
-from personaplex_triton.serving import slots_in_log
+from personaplex_triton.core import audio, contract, loaders
+from personaplex_triton.serving.serving import slots_in_log
 from triton_requests import raw_request, voice_input
 
 pytestmark = pytest.mark.integration
@@ -41,11 +41,11 @@ def solo(server, user_audio):
 @pytest.fixture(scope="session")
 def in_process(server, tiny_checkpoint):
     """The same two stages run in this process, without Triton, at the server's pool sizes."""
-    from personaplex_triton.code2wav import Code2Wav
-    from personaplex_triton.mimi_runtime import open_step
-    from personaplex_triton.persona import PersonaLibrary
-    from personaplex_triton.sampling import SamplingParams
-    from personaplex_triton.talker import Talker, TalkerSetup
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.mimi.runtime import open_step
+    from personaplex_triton.stages.code2wav import Code2Wav
+    from personaplex_triton.stages.persona import PersonaLibrary
+    from personaplex_triton.stages.talker import Talker, TalkerSetup
 
     files = loaders.resolve_checkpoint(tiny_checkpoint)
     tokenizer = loaders.get_tokenizer(files)

@@ -6,9 +6,9 @@ import torch
 from conftest import tiny_moshi_lm
 from moshi.modules.transformer import RingKVCache
 
-from personaplex_triton import kv_cache
-from personaplex_triton.generation import SlotGenerator, StepInputs
-from personaplex_triton.sampling import SamplingParams
+from personaplex_triton.lm import kv_cache
+from personaplex_triton.lm.generation import SlotGenerator, StepInputs
+from personaplex_triton.lm.sampling import SamplingParams
 
 FP8 = torch.float8_e4m3fn
 
@@ -38,7 +38,7 @@ def test_kv_dtype_parameter():
 
 def test_talker_refuses_fp8_on_a_cpu(tiny_checkpoint):
     """The talker parameter reaches the service, which says why before it allocates a pool."""
-    from personaplex_triton.serving import TalkerService
+    from personaplex_triton.serving.serving import TalkerService
 
     with pytest.raises(ValueError, match="float8_e4m3fn needs a CUDA GPU"):
         TalkerService(str(tiny_checkpoint), 2, "cpu", kv_dtype="float8_e4m3fn")

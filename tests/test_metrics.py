@@ -2,7 +2,7 @@
 
 import threading
 
-from personaplex_triton.metrics import UpdateQueue
+from personaplex_triton.core.metrics import UpdateQueue
 
 
 def test_updates_are_coalesced_until_taken():

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from personaplex_triton import loaders
-from personaplex_triton.mimi_artefacts import metadata_path, onnx_path
-from personaplex_triton.mimi_runtime import RuntimeUnavailable, open_step
+from personaplex_triton.core import loaders
+from personaplex_triton.mimi.artefacts import metadata_path, onnx_path
+from personaplex_triton.mimi.runtime import RuntimeUnavailable, open_step
 
 from conftest import load_export_tool
 from mimi_parity import SLOTS, assert_parity
@@ -82,7 +82,7 @@ def test_missing_or_stale_export_falls_back_to_torch_or_fails_when_forced(files,
     current.symlink_to(source)
     meta = json.loads(metadata_path(source).read_text())
     metadata_path(current).write_text(json.dumps({**meta, "step_sha256": "0" * 64}))
-    with pytest.raises(RuntimeUnavailable, match="older mimi_steps.py"):
+    with pytest.raises(RuntimeUnavailable, match="older mimi/steps.py"):
         open_step("decoder", files, "onnxruntime")
     metadata_path(current).write_text(json.dumps({**meta, "checkpoint_sha256": "0" * 64}))
     with pytest.raises(RuntimeUnavailable, match="other Mimi weights"):
@@ -111,7 +111,7 @@ def test_convs_as_matrix_products_match_torch(mimi):
     every conv of Mimi, the depthwise 2x upsampler included, at batch 3 and a few lengths."""
     from moshi.modules.conv import StreamingConv1d, StreamingConvTranspose1d
 
-    from personaplex_triton.mimi_steps import _conv, _conv_transpose, _StateIO, _Weights
+    from personaplex_triton.mimi.steps import _conv, _conv_transpose, _StateIO, _Weights
 
     convs = [m for m in mimi.modules() if isinstance(m, StreamingConv1d)]
     transposed = [m for m in mimi.modules() if isinstance(m, StreamingConvTranspose1d)]
@@ -137,7 +137,7 @@ def test_convs_as_matrix_products_match_torch(mimi):
 def test_write_state_puts_a_rings_new_entries_at_their_positions():
     """A ring's new entries go to `position % size` from each row's offset before the step
     (wrapping past the end), rows not stepped keep theirs, other states are replaced whole."""
-    from personaplex_triton.mimi_steps import TensorSpec, write_state
+    from personaplex_triton.mimi.steps import TensorSpec, write_state
 
     specs = [TensorSpec("offset", (), torch.long), TensorSpec("ring", (2, 4), torch.float32, ring=1),
              TensorSpec("buffer", (3,), torch.float32)]

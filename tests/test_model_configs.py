@@ -4,13 +4,14 @@ import dataclasses
 
 import pytest
 
-from personaplex_triton import contract, model_configs
-from personaplex_triton.launch import MODEL_REPOSITORY
+from personaplex_triton.core import contract
+from personaplex_triton.core.paths import MODEL_REPOSITORY
+from personaplex_triton.serving import model_configs
 
 
 def test_committed_configs_are_the_generated_ones():
     assert model_configs.stale(MODEL_REPOSITORY) == [], \
-        "model_repository differs from the contract: run python -m personaplex_triton.model_configs"
+        "model_repository differs from the contract: run python -m personaplex_triton.serving.model_configs"
     assert model_configs.main(["--check"]) == 0
 
 
@@ -73,7 +74,7 @@ def test_the_sequence_batcher_holds_back_no_conversation_a_pool_could_take():
     more candidates than any pool has slots (the largest: code2wav's on a GPU)."""
     import re
 
-    from personaplex_triton import loaders
+    from personaplex_triton.core import loaders
 
     for model in ("talker", "code2wav"):
         text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()

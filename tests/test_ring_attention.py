@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import greedy_tokens_of, tiny_moshi_lm
 
-from personaplex_triton import fused_ops, kv_cache, ring_attention
-from personaplex_triton.generation import SlotGenerator
-from personaplex_triton.sampling import SamplingParams
+from personaplex_triton.lm import fused_ops, kv_cache, ring_attention
+from personaplex_triton.lm.generation import SlotGenerator
+from personaplex_triton.lm.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     ring_attention.triton is None or os.environ.get("TRITON_INTERPRET") != "1",

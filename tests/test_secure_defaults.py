@@ -11,8 +11,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from personaplex_stream import Persona, stream_conversation
-from personaplex_triton import contract
-from personaplex_triton.launch import GRPC_ADMIN_KEY_HEADER
+from personaplex_triton.core import contract
+from personaplex_triton.serving.launch import GRPC_ADMIN_KEY_HEADER
 
 pytestmark = pytest.mark.integration
 

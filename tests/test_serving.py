@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from personaplex_triton import contract, seam
-from personaplex_triton.serving import Code2WavService, InputError, audio_frames, sampling_params
+from personaplex_triton.core import contract, seam
+from personaplex_triton.serving.serving import Code2WavService, InputError, audio_frames, sampling_params
 
 
 def test_audio_frames_accepts_whole_frames():
@@ -89,7 +89,7 @@ def test_code2wav_refuses_bad_frames(code2wav, codes, frame_index, message):
 
 
 def test_frames_per_request_are_limited():
-    from personaplex_triton import loaders
+    from personaplex_triton.core import loaders
 
     audio_frames(np.zeros(loaders.MAX_FRAMES_PER_REQUEST * 1920, np.float32))
     with pytest.raises(InputError, match="holds 126 frames; the limit is 125 per request") as raised:
@@ -117,8 +117,8 @@ def test_greedy_ignores_the_temperature_range():
 
 
 def test_prompt_limits(files, monkeypatch):
-    from personaplex_triton import loaders
-    from personaplex_triton.persona import PersonaLibrary, PromptTooLong
+    from personaplex_triton.core import loaders
+    from personaplex_triton.stages.persona import PersonaLibrary, PromptTooLong
 
     library = PersonaLibrary(files, loaders.get_tokenizer(files))
     assert len(library.persona("NATF0", "Be brief.").text_tokens) > 0

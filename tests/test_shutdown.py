@@ -9,8 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from personaplex_triton import shutdown
-from personaplex_triton.shutdown import OpenSequences
+from personaplex_triton.serving import shutdown
+from personaplex_triton.serving.shutdown import OpenSequences
 
 
 def test_open_sequences_follow_start_and_end_and_forget_the_reaped():
@@ -78,7 +78,7 @@ def test_a_stub_that_outlives_tritonserver_is_killed(tmp_path):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         time.sleep(300)
     """))
-    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from personaplex_triton.launch import serve; "
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from personaplex_triton.serving.launch import serve; "
                                  f"sys.exit(serve([sys.executable, {str(server)!r}], {{}}, 1))"])
     try:
         deadline = time.monotonic() + 30

@@ -7,14 +7,15 @@ import torch
 from conftest import greedy_tokens_of, tiny_moshi_lm
 from moshi.modules.transformer import RingKVCache
 
-from personaplex_triton import kv_cache, loaders
-from personaplex_triton.generation import SlotGenerator, StepInputs
-from personaplex_triton.kv_cache import FilledRingKVCache
-from personaplex_triton.mimi_runtime import open_step
-from personaplex_triton.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
-from personaplex_triton.sampling import SamplingParams, exponential_noise, sample, uniform
-from personaplex_triton.talker import Talker, TalkerSetup, make_voice_bundle, prefill_program
-from personaplex_triton.token_grid import NUM_AUDIO
+from personaplex_triton.core import loaders
+from personaplex_triton.lm import kv_cache
+from personaplex_triton.lm.generation import SlotGenerator, StepInputs
+from personaplex_triton.lm.kv_cache import FilledRingKVCache
+from personaplex_triton.lm.sampling import SamplingParams, exponential_noise, sample, uniform
+from personaplex_triton.lm.token_grid import NUM_AUDIO
+from personaplex_triton.mimi.runtime import open_step
+from personaplex_triton.stages.persona import Persona, VoicePrompt, load_voice, system_prompt_tokens, wrap_system_prompt
+from personaplex_triton.stages.talker import Talker, TalkerSetup, make_voice_bundle, prefill_program
 
 NUM_SLOTS = 3
 
@@ -178,7 +179,7 @@ def test_invalid_sampling_rejected(talker, wav_voice, params, message):
 
 
 def test_cached_persona_starts_at_once_with_the_same_output(talker, wav_voice, user_frames):
-    from personaplex_triton.talker import PersonaCache
+    from personaplex_triton.stages.talker import PersonaCache
 
     prompt = "You are a wise and friendly teacher."
     fresh = converse(talker, 0, setup(wav_voice, talker.tokenizer, prompt, seed=21), user_frames)
@@ -203,7 +204,7 @@ def test_starting_together_equals_starting_one_by_one(talker, wav_voice, user_fr
     """Conversations started in one call (one reset for all; a cached persona copied in, a new
     one prefilled in its first slot and copied into the next) answer as each does alone; a
     bad setup among them fails alone."""
-    from personaplex_triton.talker import PersonaCache
+    from personaplex_triton.stages.talker import PersonaCache
 
     def a(**sampling):
         return setup(wav_voice, talker.tokenizer, "You are a wise and friendly teacher.", **sampling)
@@ -399,7 +400,7 @@ def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voic
     """An encode after the answer that fails leaves its frames without user codes: the next tick
     names each of those slots (SlotFault, one at a time, as the engine ends them), not the
     conversations beside them, and does not step them on a grid with a hole."""
-    from personaplex_triton.faults import SlotFault
+    from personaplex_triton.core.faults import SlotFault
 
     for slot in (0, 1, 2):
         talker.start(slot, setup(wav_voice, seed=slot))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from personaplex_triton import loaders
-from personaplex_triton.token_grid import TokenGrid
+from personaplex_triton.core import loaders
+from personaplex_triton.lm.token_grid import TokenGrid
 
 DELAYS = loaders.PERSONAPLEX_LM_KWARGS["delays"]
 K = len(DELAYS)

@@ -9,7 +9,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from personaplex_stream import is_final_response
-from personaplex_triton import contract
+from personaplex_triton.core import contract
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.int64): "INT64",
              np.dtype(np.int32): "INT32", np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}

@@ -1,9 +1,9 @@
 """Stage 1 on Triton: decoupled, one frame of agent codes in, 1920 PCM samples out."""
 
-from personaplex_triton import loaders, seam
-from personaplex_triton.serving import Code2WavService, pick_device, slots_log_line
-from personaplex_triton.shutdown import mark_finalized, register
-from personaplex_triton.triton_adapter import (
+from personaplex_triton.core import loaders, seam
+from personaplex_triton.serving.serving import Code2WavService, pick_device, slots_log_line
+from personaplex_triton.serving.shutdown import mark_finalized, register
+from personaplex_triton.serving.triton_adapter import (
     TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder)
 
 INPUTS = (seam.AGENT_CODES, seam.CONVERSATION_ID, seam.FRAME_INDEX, seam.FINAL, seam.TEXT_PIECE)

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from personaplex_triton import contract, loaders, seam
-from personaplex_triton.serving import TalkerService, pick_device, seam_frame, slots_log_line, warmed_log_line
-from personaplex_triton.shutdown import Drain, OpenSequences, mark_finalized, register
-from personaplex_triton.triton_adapter import (
+from personaplex_triton.core import contract, loaders, seam
+from personaplex_triton.serving.serving import TalkerService, pick_device, seam_frame, slots_log_line, warmed_log_line
+from personaplex_triton.serving.shutdown import Drain, OpenSequences, mark_finalized, register
+from personaplex_triton.serving.triton_adapter import (
     TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder,
     sequence_flags, sequence_idle_s)
 

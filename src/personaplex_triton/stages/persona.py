@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import audio, loaders
-from .contract import FRAME_RATE, FRAME_SAMPLES, SAMPLE_RATE
+from ..core import audio, loaders
+from ..core.contract import FRAME_RATE, FRAME_SAMPLES, SAMPLE_RATE
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import paths
+
 log = logging.getLogger(__name__)
 
 MOSHI_NAME = "model.safetensors"
@@ -27,7 +29,6 @@ VOICES_ARCHIVE = "voices.tgz"
 VOICES_DIR = "voices"
 CONFIG_NAME = "config.json"
 CHECKPOINT_ENV = "PERSONAPLEX_CHECKPOINT"
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny"
 DEFAULT_REPO = "nvidia/personaplex-7b-v1"
 REQUIRED_FILES = (MOSHI_NAME, MIMI_NAME, TOKENIZER_NAME)
 
@@ -176,7 +177,7 @@ class CheckpointFiles:
 def checkpoint_spec(configured: str = "") -> str:
     """The checkpoint to serve: the model config's value, else $PERSONAPLEX_CHECKPOINT, else
     the generated development checkpoint of this repository."""
-    return configured or os.environ.get(CHECKPOINT_ENV) or str(DEFAULT_CHECKPOINT)
+    return configured or os.environ.get(CHECKPOINT_ENV) or str(paths.DEFAULT_CHECKPOINT)
 
 
 def resolve_checkpoint(spec: str | os.PathLike) -> CheckpointFiles:

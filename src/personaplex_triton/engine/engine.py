@@ -25,15 +25,15 @@ import threading
 import time
 from typing import Any, Callable, Protocol
 
-from . import metrics as reasons
+from ..core import metrics as reasons
+from ..core.faults import FaultPlan
+from ..core.metrics import Metrics
+from ..core.trace import FrameTrace
 from .answers import AnswerSender, finish
 from .conversations import Conversation, ConversationError, ConversationTable, Request
 from .engine_loop import EngineLoop
-from .faults import FaultPlan
-from .metrics import Metrics
 from .outbox import Outbox
 from .ticker import Ticker
-from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .mimi_artefacts import onnx_path, plan_path, read_metadata, stale_reason
-from .mimi_steps import STEPS, MimiStep, TensorSpec
+from .artefacts import onnx_path, plan_path, read_metadata, stale_reason
+from .steps import STEPS, MimiStep, TensorSpec
 
 RUNTIMES = ("tensorrt", "onnxruntime", "torch")
 
@@ -207,7 +207,7 @@ def open_step(stage: str, files, runtime: str = "auto", device: str = "cpu",
     loaders.CheckpointFiles): the first runtime available in RUNTIMES' order, or the one
     forced (RuntimeUnavailable if it cannot run). `threads`: ONNX Runtime's intra-op threads
     (default: every core)."""
-    from . import loaders
+    from ..core import loaders
 
     if stage not in STEPS:
         raise ValueError(f"Mimi stage must be one of {', '.join(STEPS)}, not {stage!r}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .mimi_runtime import StepRunner
-from .mimi_stream import MimiSlots
+from ..mimi.runtime import StepRunner
+from ..mimi.stream import MimiSlots
 
 
 class Code2Wav:

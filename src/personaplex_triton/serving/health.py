@@ -6,7 +6,7 @@ stopped, so this check also reads the stages' own metrics: each model's engine m
 (`personaplex_engine_heartbeat_seconds`, set at least once a second; compared with this
 machine's clock, so run the check where the server runs, or with synchronised clocks).
 
-    python -m personaplex_triton.health [--url localhost:8000] [--metrics-url localhost:8002]
+    python -m personaplex_triton.serving.health [--url localhost:8000] [--metrics-url localhost:8002]
 
 prints `ok` and exits 0, or prints each problem and exits 1.
 """

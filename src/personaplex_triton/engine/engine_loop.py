@@ -15,10 +15,10 @@ import threading
 import time
 from typing import Callable
 
-from . import metrics as reasons
+from ..core import metrics as reasons
+from ..core.metrics import Metrics
 from .answers import finish
 from .conversations import Conversation, ConversationTable
-from .metrics import Metrics
 from .outbox import Outbox
 from .ticker import Ticker
 

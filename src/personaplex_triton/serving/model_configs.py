@@ -5,9 +5,9 @@ the talker's inputs) and `seam.TENSORS` (between the stages); the model paramete
 defaults are the tables below. The committed `model_repository/*/config.pbtxt` are this
 module's output with the defaults (a test checks it). A deployment writes its own:
 
-    python -m personaplex_triton.model_configs                  # rewrite model_repository/*/config.pbtxt
-    python -m personaplex_triton.model_configs --check          # exit 1 where they differ from the contract
-    python -m personaplex_triton.model_configs --out /srv/models --gpus all \
+    python -m personaplex_triton.serving.model_configs                  # rewrite model_repository/*/config.pbtxt
+    python -m personaplex_triton.serving.model_configs --check          # exit 1 where they differ from the contract
+    python -m personaplex_triton.serving.model_configs --out /srv/models --gpus all \
         --set talker.max_conversations=64 --set code2wav.max_conversations=72
 
 `--gpus all` puts one talker and one code2wav instance on every GPU Triton sees (`--gpus 0,2`:
@@ -23,9 +23,9 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import contract, seam
+from ..core import contract, seam
+from ..core.paths import MODEL_REPOSITORY
 
-MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 MODELS = ("talker", "code2wav", "ensemble")
 PBTXT_TYPES = {"FP32": "TYPE_FP32", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64",
                "BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         differ = stale(args.out)
         for model in differ:
             print(f"{args.out / model / 'config.pbtxt'} differs from the contract: "
-                  "run python -m personaplex_triton.model_configs", file=sys.stderr)
+                  "run python -m personaplex_triton.serving.model_configs", file=sys.stderr)
         return 1 if differ else 0
     overrides = dict(item.split("=", 1) for item in args.set)
     for path in write(args.out, instances_from_args(args.gpus, args.cpu_instances), overrides):

@@ -25,8 +25,9 @@ import contextlib
 
 import torch
 
-from . import fused_ops, kv_cache, loaders, ring_attention
-from .buckets import batch_buckets, bucket_for
+from ..core import loaders
+from ..core.buckets import batch_buckets, bucket_for
+from . import fused_ops, kv_cache, ring_attention
 from .model_step import ModelStep
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates

@@ -18,10 +18,9 @@ import json
 import os
 from pathlib import Path
 
-from .launch import REPO_ROOT
+from ..core.paths import MIMI_EXPORT_ROOT
 
 EXPORT_DIR_ENV = "PERSONAPLEX_EXPORT_DIR"
-DEFAULT_EXPORT_ROOT = REPO_ROOT / "build" / "mimi"
 
 
 @functools.lru_cache(maxsize=8)
@@ -40,11 +39,11 @@ def file_sha256(path: Path) -> str:
 
 def step_source_sha256() -> str:
     """Of the step definitions: an export made from other code is stale."""
-    return file_sha256(Path(__file__).with_name("mimi_steps.py"))
+    return file_sha256(Path(__file__).with_name("steps.py"))
 
 
 def artefact_dir(mimi_weights: Path) -> Path:
-    root = Path(os.environ.get(EXPORT_DIR_ENV) or DEFAULT_EXPORT_ROOT)
+    root = Path(os.environ.get(EXPORT_DIR_ENV) or MIMI_EXPORT_ROOT)
     return root / file_sha256(mimi_weights)[:16]
 
 
@@ -73,5 +72,5 @@ def stale_reason(artefact: Path, mimi_weights: Path) -> str | None:
     if meta.get("checkpoint_sha256") != file_sha256(mimi_weights):
         return f"{artefact} was exported from other Mimi weights"
     if meta.get("step_sha256") != step_source_sha256():
-        return f"{artefact} was exported from an older mimi_steps.py: run `make export`"
+        return f"{artefact} was exported from an older mimi/steps.py: run `make export`"
     return None

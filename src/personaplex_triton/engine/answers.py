@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import metrics as reasons
+from ..core import metrics as reasons
+from ..core.faults import FaultPlan
+from ..core.metrics import Metrics
+from ..core.trace import FrameTrace
 from .conversations import Conversation, Request
-from .faults import FaultPlan
-from .metrics import Metrics
-from .trace import FrameTrace
 
 log = logging.getLogger(__name__)
 

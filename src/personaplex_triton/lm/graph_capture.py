@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import loaders
+from ..core import loaders
 from .step_inputs import StepInputs
 from .token_grid import NUM_AUDIO
 

@@ -5,7 +5,7 @@ bundled in the `nvidia-pytriton` wheel, set up as its Python backend needs: the 
 of this interpreter's version next to the backend, the venv's bin first on PATH (the stub
 runs `python3` from there), and this interpreter's libpython on LD_LIBRARY_PATH.
 
-    python -m personaplex_triton.launch [--model-repository DIR] [--http-port 8000] ...
+    python -m personaplex_triton.serving.launch [--model-repository DIR] [--http-port 8000] ...
 
 It stays tritonserver's parent: on SIGTERM or SIGINT it shuts the server down gracefully
 (shutdown.py) and exits with its status within SHUTDOWN_BOUND_S (40 s).
@@ -28,10 +28,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ..core.paths import MODEL_REPOSITORY
 from .shutdown import DRAIN_FILE, DRAIN_S, SHUTDOWN_DIR_ENV, drained, not_finalized, write_atomically
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # On SIGTERM Triton waits this long for its open sequences to end and its models to unload.
 # The talker has ended them by then (shutdown.py); this is room for a loaded machine. Past it
 # Triton 2.51 "exits immediately", and crashes or hangs.
@@ -284,7 +283,7 @@ class TritonServer:
         return sum(rss_bytes(pid) for pid in processes)
 
     def __enter__(self) -> "TritonServer":
-        argv = [sys.executable, "-m", "personaplex_triton.launch", f"--model-repository={self.model_repository}",
+        argv = [sys.executable, "-m", "personaplex_triton.serving.launch", f"--model-repository={self.model_repository}",
                 f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-port={self.metrics_port}"]
         if self.admin_key:

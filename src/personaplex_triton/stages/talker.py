@@ -21,17 +21,18 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from . import kv_cache, loaders
-from .buckets import bucket_for
-from .faults import SlotFault
-from .generation import SlotGenerator, StepInputs
-from .graph_capture import capture_graphs
-from .mimi_runtime import StepRunner
-from .mimi_stream import MimiSlots
+from ..core import loaders
+from ..core.buckets import bucket_for
+from ..core.faults import SlotFault
+from ..lm import kv_cache
+from ..lm.generation import SlotGenerator, StepInputs
+from ..lm.graph_capture import capture_graphs
+from ..lm.prefill import prefill
+from ..lm.sampling import SamplingParams
+from ..lm.token_grid import NUM_AUDIO
+from ..mimi.runtime import StepRunner
+from ..mimi.stream import MimiSlots
 from .persona import Persona, VoicePrompt
-from .prefill import prefill
-from .sampling import SamplingParams
-from .token_grid import NUM_AUDIO
 
 
 @dataclass

@@ -16,12 +16,12 @@ from typing import Callable
 
 import numpy as np
 
-from . import contract, loaders, metrics as reasons, seam
-from .engine import ConversationError, SlotEngine
-from .faults import FaultPlan
-from .metrics import Metrics
-from .persona import PromptTooLong
-from .sampling import SamplingParams
+from ..core import contract, loaders, metrics as reasons, seam
+from ..core.faults import FaultPlan
+from ..core.metrics import Metrics
+from ..engine.engine import ConversationError, SlotEngine
+from ..lm.sampling import SamplingParams
+from ..stages.persona import PromptTooLong
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +166,10 @@ class TalkerService:
                  metrics: Metrics | None = None):
         import torch
 
-        from . import kv_cache
-        from .mimi_runtime import open_step
-        from .persona import PersonaLibrary
-        from .talker import Talker, conversations_that_fit
+        from ..lm import kv_cache
+        from ..mimi.runtime import open_step
+        from ..stages.persona import PersonaLibrary
+        from ..stages.talker import Talker, conversations_that_fit
 
         self.metrics = metrics or Metrics()
         use_device_threads(device)
@@ -191,7 +191,7 @@ class TalkerService:
         """Prefill personas into the persona cache before serving, so their first conversation
         starts at once: `voices` is "all" (every voice of the checkpoint) or comma-separated
         names, each with an empty role prompt. Returns the voices warmed."""
-        from .talker import TalkerSetup
+        from ..stages.talker import TalkerSetup
 
         names = self.personas.files.voice_names() if voices.strip() == "all" else \
             [name.strip() for name in voices.split(",") if name.strip()]
@@ -238,7 +238,7 @@ class TalkerService:
             refuse(finish, exc, self.metrics)
 
     def _setup(self, arrays: dict):
-        from .talker import TalkerSetup
+        from ..stages.talker import TalkerSetup
 
         voice = _scalar(arrays, contract.VOICE, str)
         prompt = _scalar(arrays, contract.TEXT_PROMPT, str) or ""
@@ -276,8 +276,8 @@ class Code2WavService:
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, metrics: Metrics | None = None):
-        from .code2wav import Code2Wav
-        from .mimi_runtime import open_step
+        from ..mimi.runtime import open_step
+        from ..stages.code2wav import Code2Wav
 
         self.metrics = metrics or Metrics()
         use_device_threads(device)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .metrics import FAMILIES, SECONDS_BUCKETS, Metrics, UpdateQueue
+from ..core.metrics import FAMILIES, SECONDS_BUCKETS, Metrics, UpdateQueue
 
 SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = 2    # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END

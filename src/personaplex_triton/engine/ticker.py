@@ -12,11 +12,11 @@ import threading
 import time
 from typing import Callable
 
-from . import metrics as reasons
+from ..core import metrics as reasons
+from ..core.faults import FaultPlan, SlotFault
+from ..core.metrics import Metrics
 from .answers import Answer
 from .conversations import Conversation
-from .faults import FaultPlan, SlotFault
-from .metrics import Metrics
 from .outbox import Outbox
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from moshi.modules.conv import StreamingConv1d, StreamingConvTranspose1d
 from moshi.modules.seanet import SEANetResnetBlock
 from moshi.modules.transformer import ProjectedTransformer, StreamingTransformerLayer
 
-from .contract import FRAME_SAMPLES
-from .seam import NUM_AGENT_CODEBOOKS
+from ..core.contract import FRAME_SAMPLES
+from ..core.seam import NUM_AGENT_CODEBOOKS
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import loaders
+from ..core import loaders
 
 _MASK32 = 0xFFFFFFFF
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .mimi_runtime import StepRunner
-from .mimi_steps import STEPS, write_state
+from .runtime import StepRunner
+from .steps import STEPS, write_state
 
 
 class MimiSlots:

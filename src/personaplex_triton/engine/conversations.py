@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import metrics as reasons
+from ..core import metrics as reasons
 
 log = logging.getLogger(__name__)
 

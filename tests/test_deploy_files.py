@@ -36,7 +36,7 @@ def test_compose_file_is_valid_and_serves_on_the_gpu():
     run = compose_config()
     assert run.returncode == 0, run.stderr
     services = yaml.safe_load(run.stdout)["services"]
-    assert {name for name, s in services.items() if "profiles" not in s} == {"export", "triton"}  # `up` starts these
+    assert {name for name, s in services.items() if "profiles" not in s} == {"export", "triton", "gateway"}  # `up` starts these
     triton = services["triton"]
     assert {(p["published"], p["target"]) for p in triton["ports"]} == {(8000, 8000), (8001, 8001), (8002, 8002)}
     assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
@@ -46,6 +46,18 @@ def test_compose_file_is_valid_and_serves_on_the_gpu():
     assert any(v.endswith(":/checkpoint:ro") for v in triton["volumes"]) or any(
         isinstance(v, dict) and v.get("target") == "/checkpoint" for v in triton["volumes"])
     assert triton["environment"]["PERSONAPLEX_ADMIN_KEY"] == "k"
+
+
+def test_compose_gateway_waits_for_triton_and_checks_its_own_health():
+    run = compose_config()
+    assert run.returncode == 0, run.stderr
+    gateway = yaml.safe_load(run.stdout)["services"]["gateway"]
+    assert gateway["build"]["dockerfile"] == "deploy/gateway.Dockerfile"
+    assert {(p["published"], p["target"]) for p in gateway["ports"]} == {(8080, 8080)}
+    assert "/healthz" in " ".join(gateway["healthcheck"]["test"])
+    assert gateway["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    assert "--triton-url triton:8001" in gateway["command"] and "--checkpoint /checkpoint" in gateway["command"]
+    assert any(v.endswith(":/checkpoint:ro") for v in gateway["volumes"])  # the voices it offers
 
 
 def test_compose_scale_profile_puts_replicas_behind_the_balancer():
@@ -70,11 +82,15 @@ def test_dockerfile_is_pinned_and_lints_clean():
     assert re.search(r"^ARG TRITON_IMAGE=nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3$", dockerfile, re.M)
     run = subprocess.run([tool("hadolint"), str(REPO_ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
+    gateway = REPO_ROOT / "deploy" / "gateway.Dockerfile"
+    assert re.search(r"^FROM python:3\.\d+-slim-\w+$", gateway.read_text(), re.M)
+    run = subprocess.run([tool("hadolint"), str(gateway)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_kubernetes_examples_match_the_api_schemas():
     manifests = sorted(str(p) for p in (REPO_ROOT / "deploy" / "kubernetes").glob("*.yaml"))
-    assert len(manifests) == 3
+    assert len(manifests) == 4
     run = subprocess.run([tool("kubernetes-validate"), "--strict", *manifests], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     kinds = {doc["kind"] for path in manifests for doc in yaml.safe_load_all(Path(path).read_text())}

@@ -1,2 +1,2 @@
-"""The ground floor: the wire contract and seam, checkpoint layout and defaults, metrics, trace,
-faults, audio, buckets and repository paths. It imports nothing else of personaplex_triton."""
+"""What every layer shares: the wire contract and seam, the checkpoint layout and defaults,
+metrics, trace, faults, audio, buckets, repository paths. It imports nothing else of the package."""

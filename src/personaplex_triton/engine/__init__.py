@@ -1,2 +1,2 @@
-"""The slot engine, model-agnostic: conversations, the background loop, ticks, the outbox and
-answers. It imports only core (not lm or mimi: a stage hands it its tick)."""
+"""The slot engine both stages run on: conversations mapped to slots, the background loop, its
+ticks (a stage's batched step), the outbox and answers. It may import lm, mimi and core."""

@@ -1,2 +1,2 @@
-"""The language model's batched step: KV cache, attention, fused ops, CUDA graphs, sampling,
-generation and prefill over a pool of slots. It imports only core (never mimi)."""
+"""The language model's batched step over a pool of slots: KV cache, attention, fused ops, CUDA
+graphs, sampling, generation and prefill. It may import core alone (never mimi)."""

@@ -1,2 +1,2 @@
-"""Mimi as explicit-state streaming steps, their runtimes (PyTorch, ONNX Runtime, TensorRT),
-exported artefacts and per-slot streams. It imports only core (never lm)."""
+"""Mimi as explicit-state streaming steps, their runtimes (PyTorch, ONNX Runtime, TensorRT), the
+exported artefacts and per-slot streams. It may import core alone (never lm)."""

@@ -1,2 +1,2 @@
-"""The two stages as Python objects: the talker (LM + Mimi encoder, personas) and code2wav (Mimi
-decoder). They import engine, lm, mimi and core; nothing of serving."""
+"""The two stages on the engine: talker (the LM, the Mimi encoder, personas) and code2wav (the
+Mimi decoder). They may import engine, lm, mimi and core, never serving."""

@@ -37,6 +37,7 @@ serve: export
 	$(PY) -m personaplex_triton.serving.launch
 
 test: export bench-deps deploy-deps
+	$(VENV)/bin/lint-imports  # the library's layers (pyproject.toml's [tool.importlinter])
 	$(PY) -m pytest -q
 
 # perf_analyzer, the load generator and the overhead run, against a server started on the default

@@ -110,6 +110,7 @@ async def serve_chat(ws: web.WebSocketResponse, query: Mapping[str, str], ctx: G
 
         pump = asyncio.ensure_future(pump_answers(session, send_answer, lambda e: refuse(ws, e, send_error)))
         async for message in ws:
+            received_at = time.perf_counter()
             if message.type == aiohttp.WSMsgType.ERROR:
                 break
             if message.type != aiohttp.WSMsgType.BINARY:
@@ -124,7 +125,7 @@ async def serve_chat(ws: web.WebSocketResponse, query: Mapping[str, str], ctx: G
                     raise GatewayError("bad_audio", f"the audio is not a readable Ogg/Opus stream: {exc}",
                                        CLOSE_UNSUPPORTED_DATA) from None
                 if np.size(pcm):
-                    session.feed(np.asarray(pcm, np.float32))
+                    session.feed(np.asarray(pcm, np.float32), received_at)
     except GatewayError as error:
         await refuse(ws, error, send_error)
     finally:

@@ -128,6 +128,7 @@ async def serve_realtime(ws: web.WebSocketResponse, ctx: GatewayContext) -> None
     try:
         await ws.send_str(event("session.created", session=session_object(session_id, None, ctx.voices)))
         async for message in ws:
+            received_at = time.perf_counter()
             if message.type == aiohttp.WSMsgType.ERROR:
                 break
             try:
@@ -145,7 +146,7 @@ async def serve_realtime(ws: web.WebSocketResponse, ctx: GatewayContext) -> None
                     samples = audio_of(client_event)
                     if session is None:
                         session = await begin(persona_from_session({}, ctx.voices))
-                    session.feed(samples)
+                    session.feed(samples, received_at)
                 else:
                     raise GatewayError("unsupported_event", f"{kind} is not supported by this server "
                                        "(docs/gateway.md lists what is)", None)

@@ -182,9 +182,10 @@ class TritonSession:
         self._pacer.open(time.perf_counter(), self._queue.qsize())
         self._ready.set()
 
-    def feed(self, samples: np.ndarray) -> None:
-        """Queue the client's audio (float32, 24 kHz mono); GatewayError where it comes too fast."""
-        now = time.perf_counter()
+    def feed(self, samples: np.ndarray, received_at: float) -> None:
+        """Queue the client's audio (float32, 24 kHz mono) from a message received at `received_at`
+        (perf_counter, before it was decoded); GatewayError where it comes too fast."""
+        now = received_at
         for frame in self._frames.push(samples):
             self._pacer.arrive(self._frames_fed, now)
             self._queue.put_nowait(_Frame(self._frames_fed, frame, now))
@@ -232,10 +233,11 @@ class TritonSession:
             item = await self._queue.get()
             if item is _END:
                 break
-            wait = self._pacer.due(item.index) - time.perf_counter()
+            due = self._pacer.due(item.index)
+            wait = due - time.perf_counter()
             if wait > 0 and await self._either(asyncio.sleep(wait)):
                 continue  # closing: the end request is queued next
-            turn = item.arrived_at + max(wait, 0.0)  # its arrival, or its turn where pacing held it
+            turn = max(item.arrived_at, due)  # its arrival, or its turn where pacing (or the persona) held it
             self.timings.inbound_ms.append((time.perf_counter() - turn) * 1e3)
             self.timings.frames_in += 1
             yield self._request(build_request_inputs(item.samples))

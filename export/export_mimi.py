@@ -3,7 +3,7 @@
 For the checkpoint served (default: $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny) it writes
 `<stage>.onnx` and `<stage>.onnx.json` (I/O names, shapes and dtypes, source checkpoint and
 step-code hashes, versions, the self-check) into the checkpoint's artefact folder
-(`build/mimi/<hash of the Mimi weights>/`, see personaplex_triton/mimi_artefacts.py). An
+(`build/mimi/<hash of the Mimi weights>/`, see personaplex_triton/mimi/artefacts.py). An
 export that is already current is left alone, so `make export` costs nothing the second time.
 Each export is checked before it is kept: ONNX Runtime and the PyTorch step run a few frames
 of a batch of streams side by side.

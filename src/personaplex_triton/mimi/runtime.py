@@ -2,8 +2,8 @@
 
 A runner takes one 80 ms step of a batch of streams: `run(x, states) -> (y, outputs)`, with
 `states` the step's state tensors (offset first) in the order of `MimiStep.state_specs()` and
-`outputs` what the step makes of them, which `mimi_steps.write_state` puts in place.
-The ONNX and TensorRT runners run the artefacts `make export` writes (mimi_artefacts.py).
+`outputs` what the step makes of them, which `steps.write_state` puts in place.
+The ONNX and TensorRT runners run the artefacts `make export` writes (artefacts.py).
 
 `open_step` takes the first runtime that can run here, in the order TensorRT (an engine
 exists, `tensorrt` imports, a CUDA device), ONNX Runtime (an export exists; on the CPU only:
@@ -52,7 +52,7 @@ class StepRunner:
     skipped: list[str] = field(default_factory=list, repr=False)  # runtimes passed over, and why
 
     def run(self, x: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One step of a batch: its output and its state outputs (see mimi_steps.write_state).
+        """One step of a batch: its output and its state outputs (see steps.write_state).
         The outputs may be reused by the next run: copy what you keep."""
         raise NotImplementedError
 
@@ -81,7 +81,7 @@ class TorchStepRunner(StepRunner):
         device = next(mimi.parameters()).device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, static outputs)
-        source = f"mimi_steps.{type(self.step).__name__}" + (", CUDA graphs" if self.cuda_graphs else "")
+        source = f"mimi.steps.{type(self.step).__name__}" + (", CUDA graphs" if self.cuda_graphs else "")
         super().__init__(stage, "torch", source, device, self.step.state_specs(), list(skipped))
 
     @torch.no_grad()

@@ -58,6 +58,40 @@ def test_alone_equals_batched_on_gpu(lm):
     assert run(lm, cuda_graphs=True, live=[]) == run(lm, cuda_graphs=True, live=[1, 2, 3])
 
 
+def carried(lm, cuda_graphs, table, steps=24, kv_dtype=None):
+    """Tokens of the conversation in `table[0]` when every step carries the slots of `table`
+    (row i: slot table[i]; each with its own seed and user codes by conversation, not by slot),
+    and slot 2's conversation, started too, idles."""
+    gen = SlotGenerator(lm, SLOTS, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype)
+    try:
+        for i, slot in enumerate([*table, 2] if 2 not in table else table):
+            gen.start(slot, SamplingParams(seed=100 + i))
+        out = []
+        rows = torch.tensor(table)
+        for step in range(steps):
+            user = torch.stack([torch.randint(0, 2048, (8,), generator=torch.Generator().manual_seed(1000 * i + step))
+                                for i in range(len(table))])
+            none = torch.zeros(len(table), dtype=torch.bool)
+            inputs = StepInputs(torch.ones(len(table), dtype=torch.bool).cuda(), user.cuda(),
+                                torch.zeros(len(table), 8, dtype=torch.long).cuda(), none.cuda(),
+                                torch.zeros(len(table), dtype=torch.long).cuda(), none.cuda(), rows=rows)
+            tokens, has_output, _ = gen.step(inputs)
+            if has_output[0]:
+                out.append(tokens[0].cpu().tolist())
+        return out
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16-kv", "fp8-kv"])
+def test_a_graphed_step_carries_any_slots(lm, kv_dtype):
+    """Through the slot table, a graphed step of slots (3, 1) or (3, 0) packed in 2 rows gives
+    the tokens the same two conversations give in slots (0, 1), eager (the pool's own rows)."""
+    alone = carried(lm, False, [0, 1], kv_dtype=kv_dtype)
+    assert carried(lm, True, [3, 1], kv_dtype=kv_dtype) == alone
+    assert carried(lm, True, [3, 0], kv_dtype=kv_dtype) == alone
+
+
 @pytest.mark.parametrize("dtype, stored", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                            (torch.bfloat16, torch.float8_e4m3fn)])
 def test_ring_attention_kernel_matches_softmax_attention(dtype, stored):

@@ -142,6 +142,32 @@ def test_alone_equals_batched(talker, wav_voice, user_frames, files):
     assert batched == alone
 
 
+def test_a_tick_carries_any_slots(talker, wav_voice, user_frames, files):
+    """A tick's rows are the carried slots, wherever they sit in the pool (a slot table, not
+    the first b rows): a conversation in slot 2 gives its tokens alone, and beside slot 0 while
+    slot 1's conversation skips every other tick (ticks of slots 0 and 2 only, not consecutive);
+    the skipping one gives its own tokens too."""
+    other_voice = VoicePrompt("NATM0-short", frames=load_voice(files.voices / "NATM0.wav").frames[:5])
+    noise = np.random.default_rng(3).standard_normal((len(user_frames), 1920)).astype(np.float32) * 0.2
+    conversations = {2: (setup(wav_voice, seed=5), user_frames), 0: (setup(other_voice, seed=6), noise),
+                     1: (setup(wav_voice, seed=2, greedy=True), noise[::-1].copy())}
+    alone = {slot: converse(talker, slot, st, frames) for slot, (st, frames) in conversations.items()}
+    for slot, (st, _) in conversations.items():
+        talker.start(slot, st)
+    answers = {slot: [] for slot in conversations}
+    sent = dict.fromkeys(conversations, 0)
+    for tick in range(2 * len(user_frames)):
+        items = {slot: frames[sent[slot]] for slot, (_, frames) in conversations.items()
+                 if sent[slot] < len(frames) and (slot != 1 or tick % 2)}
+        for slot in items:
+            sent[slot] += 1
+        for slot, step in talker.tick(items).items():
+            answers[slot].append((step.text_token, tuple(int(c) for c in step.codes)))
+    for slot in conversations:
+        talker.stop(slot)
+    assert answers == alone
+
+
 def test_bundle_replay_equals_wav_voice(talker, wav_voice, user_frames):
     bundle = make_voice_bundle(talker, wav_voice)
     replayed = VoicePrompt("b", embeddings=bundle["embeddings"], cache=bundle["cache"][0])
@@ -309,8 +335,7 @@ def moshi_depformer(generator):
     moshi's `LMModel.forward_depformer`, one codebook a call, in a fresh `depformer.streaming`."""
     lm = generator.lm
 
-    def depformer(transformer_out, first_input, forced, forced_mask, noise, top_k_bound):
-        smp = generator.sampling.rows(first_input.shape[0])
+    def depformer(transformer_out, first_input, forced, forced_mask, noise, smp, top_k_bound):
         tokens, prev = [], first_input
         with lm.depformer.streaming(first_input.shape[0]):
             for cb in range(lm.dep_q):

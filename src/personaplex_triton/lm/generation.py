@@ -11,9 +11,12 @@ cb0..7 (ready for the Mimi decoder) and the user's echo.
 Every slot keeps its own position, so slots join, idle and leave independently: rows outside
 `active` are left untouched (moshi's exec mask keeps their transformer state).
 
-A step runs on the first `b` slots only, `b` a batch bucket (buckets.py): the streaming state
-of every module is viewed as its first `b` rows (slot_states.py). On GPUs the step runs under
-CUDA graphs (step_graphs.py). On CUDA, a one-frame step's attention reads only the KV entries
+A step carries the slots with a frame, packed into `b` rows (`b` a batch bucket under CUDA
+graphs, buckets.py) through a slot table, `StepInputs.rows`: the token grid, the sampling
+settings and the modules' small streaming state are gathered for those rows and written back,
+and the attention kernel reads each row's KV cache in the pool where it lies (slot_states.py),
+so a tick costs what it carries, wherever its slots sit. On GPUs the step runs under CUDA
+graphs (step_graphs.py), one per bucket, the slot table an input. On CUDA, a one-frame step's attention reads only the KV entries
 each slot has written (ring_attention.py), and each RMS norm and gating activation is one
 kernel (fused_ops.py); moshi's modules are the reference. The KV cache holds the model's dtype,
 or float8_e4m3fn (kv_cache.py). A persona's prefill is played into a slot apart (prefill.py).
@@ -53,7 +56,7 @@ class SlotGenerator:
         self.device = device
         self.grid = TokenGrid(num_slots, lm.delays, lm._get_initial_token()[0, :, 0], lm.ungenerated_token_id, device)
         self.sampling = SlotSampling(num_slots, device)
-        self.model_step = ModelStep(lm, self.sampling)
+        self.model_step = ModelStep(lm)
         self.top_k_bound = loaders.TOP_K_BUCKETS[0]
         self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
         self.buckets = batch_buckets(num_slots)
@@ -72,7 +75,9 @@ class SlotGenerator:
         self._streaming.__enter__()
         if ring and device.type == "cpu":
             kv_cache.read_filled(lm.transformer)
-        self.states = SlotStates(lm.transformer, num_slots, self.buckets)
+        self.states = SlotStates(lm.transformer, num_slots, indexed_kv=self.ring_attention)
+        self._carry = None   # the CarriedRows of the step being run, None: consecutive slots' views
+        self._filled = None  # moshi's attention: ring entries to gather (the CPU's steps)
 
     def close(self) -> None:
         self.graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
@@ -124,28 +129,40 @@ class SlotGenerator:
     # -- one batched step ------------------------------------------------------------------
     @torch.no_grad()
     def step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Advance every active slot among the first b by one position (b = the inputs' rows,
-        a batch bucket).
+        """Advance each active row's slot by one position (row i: slot `inputs.rows[i]`).
 
-        Returns (tokens [b, 17] of position o - 1, has_output [b], input embeddings [b, 1, dim]);
-        rows without output (inactive, or still inside the delays) hold garbage. Under CUDA
-        graphs they are the graph's own buffers, which the next step overwrites.
+        Returns (tokens [b, 17] of position o - 1, has_output [b], input embeddings [b, 1, dim]),
+        row by row; rows without output (inactive, or still inside the delays) hold garbage.
+        Under CUDA graphs they are the graph's own buffers, which the next step overwrites.
         """
         b = inputs.active.shape[0]
+        rows = torch.arange(b) if inputs.rows is None else inputs.rows
         active = inputs.active.to(self.device)
         embeddings, embed_rows = inputs.embeddings, inputs.embed_rows
         if embeddings is None:
             embeddings, embed_rows = self._no_embeddings(b)
-        exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        exec_mask[:b] = active
-        self.lm.set_exec_mask(exec_mask)
         # On a CPU each of the step's ~1000 small ops pays PyTorch's dispatch; inference mode
         # skips their autograd and version-counter bookkeeping (a tenth of the tick). A GPU
         # replays a graph. (Not `inference_mode(False)`: that turns grad mode on.)
         cpu_only = torch.inference_mode() if self.device.type == "cpu" else contextlib.nullcontext()
-        with self.states.first(b), cpu_only:
+        first = int(rows[0]) if not self.graphs.enabled else None
+        if first is not None and torch.equal(rows.cpu(), torch.arange(first, first + b)):
+            # consecutive slots (one conversation, say): the modules see the pool's own rows
+            self._carry, self._filled = None, None
+            exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+            exec_mask[first:first + b] = active
+            self.lm.set_exec_mask(exec_mask)
+            seen = self.states.consecutive(first, b)
+        else:
+            self._carry = self.states.carried(b)
+            self._filled = None if self.graphs.enabled or self.ring_attention else \
+                int(self.states.end_offsets()[rows].max())
+            seen = self._carry.seen()
+        rows = rows.to(self.device)
+        with seen, cpu_only:
             return self.graphs.get(b, self.top_k_text_bound, self.top_k_bound)(
-                active, *forced_tokens(inputs, self.device), embeddings.to(self.device), embed_rows.to(self.device))
+                rows, active, *forced_tokens(inputs, self.device), embeddings.to(self.device),
+                embed_rows.to(self.device))
 
     def force_user(self, slots: list[int], positions: torch.Tensor, codes: torch.Tensor) -> None:
         """The user's codes [len(slots), 8] of the steps these slots took at `positions` with
@@ -154,15 +171,20 @@ class SlotGenerator:
         self.grid.force(torch.tensor(slots, device=self.device), positions.to(self.device),
                         slice(1 + NUM_AUDIO, None), codes.to(self.device))
 
-    def _step(self, active, forced, is_forced, embeddings, embed_rows):
-        """A step of the first b slots (b = active's rows): the token grid's read, the input
-        embeddings (`embeddings` [b, 1, dim] where `embed_rows`), the model, the grid's write."""
-        rows = slice(0, active.shape[0])
+    def _step(self, rows, active, forced, is_forced, embeddings, embed_rows):
+        """A step of slots `rows` [b]: the carried rows' streaming state in, the token grid's
+        read, the input embeddings (`embeddings` [b, 1, dim] where `embed_rows`), the model,
+        the grid's write, the streaming state out. All tensor ops: the graph's whole body."""
+        if self._carry is not None:
+            self._carry.load(rows, active, self._filled)
         o, previous, target, target_provided = self.grid.read(rows, active, forced, is_forced)
         emb = self.embed(previous)
         emb = torch.where(embed_rows[:, None, None], embeddings.to(emb), emb)
-        sampled = self.model_step(emb, target, target_provided, o, self.top_k_text_bound, self.top_k_bound)
+        sampled = self.model_step(emb, target, target_provided, o, self.sampling.at(rows), self.top_k_text_bound,
+                                  self.top_k_bound)
         tokens, has_output = self.grid.write(rows, o, active, sampled, target_provided)
+        if self._carry is not None:
+            self._carry.store(self._filled)
         return tokens, has_output, emb
 
     def _no_embeddings(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,17 +22,17 @@ from .token_grid import NUM_AUDIO
 
 
 class ModelStep:
-    def __init__(self, lm, sampling: SlotSampling):
+    def __init__(self, lm):
         self.lm = lm
-        self.sampling = sampling
 
-    def __call__(self, emb, target, target_provided, step, top_k_text_bound: int, top_k_bound: int):
+    def __call__(self, emb, target, target_provided, step, smp: SlotSampling, top_k_text_bound: int,
+                 top_k_bound: int):
         """Temporal transformer on the input embeddings [b, 1, dim], then the text token and
         the depformer: [b, 17] tokens of position `step` (text, the agent's 8 codebooks
-        sampled, the user's 8 as forced). `target` [b, 17] with `target_provided`: what is
-        forced there, which replaces the samples as the depformer's inputs. The top-k bounds:
-        how many columns the sampling's top-k keeps (a graph's shapes)."""
-        lm, smp = self.lm, self.sampling.rows(emb.shape[0])
+        sampled with the rows' settings `smp`, the user's 8 as forced). `target` [b, 17] with
+        `target_provided`: what is forced there, which replaces the samples as the depformer's
+        inputs. The top-k bounds: how many columns the sampling's top-k keeps (a graph's shapes)."""
+        lm = self.lm
         # channels: the text token and the agent's codebooks, the only ones sampled (a channel's
         # draws do not depend on how many are drawn)
         noise = exponential_noise(smp.seed, step, 1 + NUM_AUDIO, max(top_k_text_bound, top_k_bound))
@@ -43,16 +43,17 @@ class ModelStep:
         text = sample(text_logits, smp.greedy, smp.temperature_text, smp.top_k_text, noise[:, 0], top_k_text_bound)
         first = torch.where(target_provided[:, 0], target[:, 0], text)
         audio = self.depformer(transformer_out, first, target[:, 1:], target_provided[:, 1:], noise[:, 1:],
-                               top_k_bound)
+                               smp, top_k_bound)
         return torch.cat([text[:, None], audio], dim=1)
 
-    def depformer(self, transformer_out, first_input, forced, forced_mask, noise, top_k_bound: int):
+    def depformer(self, transformer_out, first_input, forced, forced_mask, noise, smp: SlotSampling,
+                  top_k_bound: int):
         """The depformer over the agent's codebooks of one position (the module docstring):
         [b, 16] tokens, the user's columns holding `forced`. The projections are called as
         `F.linear` on their modules' weights, and the first codebook's attention, over its one
         key, is its value (a softmax of one score is exactly 1): on a CPU every op's dispatch
         counts."""
-        lm, smp = self.lm, self.sampling.rows(first_input.shape[0])
+        lm = self.lm
         b, steps = first_input.shape[0], lm.dep_q - NUM_AUDIO
         layers = lm.depformer.layers
         heads = layers[0].self_attn.num_heads

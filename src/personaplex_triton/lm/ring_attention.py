@@ -42,10 +42,11 @@ if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, max_ptr, sum_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, acc_ptr, max_ptr, sum_ptr,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
                           num_heads, kv_repeat, num_splits, split_size, capacity, scale,
-                          BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+                          INDEXED: tl.constexpr):
         """One (conversation, head, split): an unnormalised softmax sum over the split's filled
         entries, with its maximum and sum. The scores come from tensor cores, the query repeated
         to 16 rows (tl.dot's least), so the tiles go through shared memory, pipelined (read as
@@ -64,7 +65,8 @@ if triton is not None:
         first_copy = tl.arange(0, 16) == 0
         q = tl.load(q_ptr + b * stride_qb + (row % num_heads) * stride_qh + dims)
         q = tl.broadcast_to(q[None, :], (16, HEAD_DIM))
-        base = b * stride_kb + kv_head * stride_kh
+        slot = tl.load(slot_ptr + b) if INDEXED else b  # the row's ring in the pool (the slot table)
+        base = slot * stride_kb + kv_head * stride_kh
         running_max = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
         running_sum = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
         acc = tl.zeros([16, HEAD_DIM], tl.float32)  # 16 equal rows, for the tensor cores
@@ -118,10 +120,10 @@ if triton is not None:
         tl.store(dst, value.to(dst.dtype.element_ty))
 
     @triton.jit
-    def _rope_store_kernel(proj_ptr, q_ptr, cache_ptr, offset_ptr, end_ptr, mask_ptr,
+    def _rope_store_kernel(proj_ptr, q_ptr, cache_ptr, slot_ptr, offset_ptr, end_ptr, mask_ptr,
                            stride_pb, stride_ckv, stride_cb, stride_ch, stride_cn,
                            num_heads, kv_heads, capacity, freq_scale,
-                           HALF: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr):
+                           HALF: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, INDEXED: tl.constexpr):
         """One (conversation, head) of a frame's projections [q heads | k heads | v heads]:
         RoPE at the row's offset on the query head and on the key head of the same index
         (interleaved pairs, in fp32, as moshi's apply_rope), the query out, the key and value
@@ -152,7 +154,8 @@ if triton is not None:
             imag = tl.load(k_in + 1).to(tl.float32)
             if ROPE:
                 real, imag = real * cos - imag * sin, real * sin + imag * cos
-            entry = cache_ptr + b * stride_cb + head * stride_ch + (tl.load(end_ptr + b) % capacity) * stride_cn + pairs
+            slot = tl.load(slot_ptr + b) if INDEXED else b
+            entry = cache_ptr + slot * stride_cb + head * stride_ch + (tl.load(end_ptr + b) % capacity) * stride_cn + pairs
             _store_entry(entry, real.to(dtype), FP8)
             _store_entry(entry + 1, imag.to(dtype), FP8)
             _store_entry(entry + stride_ckv, tl.load(v_in), FP8)
@@ -179,11 +182,13 @@ def num_splits(rows: int, capacity: int) -> int:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-           splits: int | None = None, block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
-    """Softmax attention of q [B, H, 1, D] over entries [0, min(lengths[b], capacity)) of keys and values
-    [B, H / kv_repeat, capacity, D] (each with a unit stride on D and a common layout; q's
-    dtype or float8_e4m3fn); returns [B, H, 1, D] in q's dtype. A row with no entries gets
-    zeros. `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark."""
+           rows: torch.Tensor | None = None, splits: int | None = None, block: int = BLOCK_N,
+           warps: int = 4) -> torch.Tensor:
+    """Softmax attention of q [B, H, 1, D] over entries [0, min(lengths[b], capacity)) of the
+    keys and values [P, H / kv_repeat, capacity, D] of pool row `rows[b]` (None: row b) (each
+    with a unit stride on D and a common layout; q's dtype or float8_e4m3fn); returns
+    [B, H, 1, D] in q's dtype. A row with no entries gets zeros. `splits`, `block`, `warps`:
+    the launch (default: `num_splits`), for the benchmark."""
     B, H, _, D = q.shape
     capacity = keys.shape[2]
     splits = splits or num_splits(B * H, capacity)
@@ -193,11 +198,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     acc = torch.empty((B * H, splits, D), device=q.device, dtype=torch.float32)
     maxima = torch.empty((B * H, splits), device=q.device, dtype=torch.float32)
     sums = torch.empty_like(maxima)
-    args = (q, keys, values, lengths, acc, maxima, sums,
+    args = (q, keys, values, lengths, lengths if rows is None else rows, acc, maxima, sums,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             H, H // keys.shape[1], splits, split_size, capacity, D ** -0.5)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
-    _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, num_warps=warps)
+    _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, INDEXED=rows is not None,
+                                   num_warps=warps)
     out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
     _merge_kernel[(B * H,)](acc, maxima, sums, out, splits,
                             SPLITS=triton.next_power_of_2(splits), HEAD_DIM=D)
@@ -212,19 +218,23 @@ def rope_and_store(projected: torch.Tensor, offset: torch.Tensor, cache, exec_ma
     `cache` (moshi's RingKVCache), and its `offset` and the cache's `end_offset` move on one,
     as moshi's `complete()` and attention do. Rows not stepped keep their entries, where moshi
     writes their frame too: once their ring has wrapped, that replaces the oldest entry an idle
-    conversation still attends to. Two kernels, where moshi's RoPE and write are about forty."""
+    conversation still attends to. Two kernels, where moshi's RoPE and write are about forty.
+    A cache with a slot table (`cache.rows`, slot_states.CarriedRows) holds the pool's rings:
+    row b's entry goes into ring `rows[b]`."""
     B = projected.shape[0]
-    store = cache.cache  # [2, B, kv heads, capacity, D]
+    store = cache.cache  # [2, pool rows, kv heads, capacity, D]
+    rows = getattr(cache, "rows", None)
     kv_heads, D = store.shape[2], store.shape[4]
     if projected.stride(2) != 1 or store.stride(4) != 1 or D % 2:
         raise ValueError("projections and the ring need contiguous heads of an even size")
     q = torch.empty((B, num_heads, 1, D), device=projected.device, dtype=projected.dtype)
-    _rope_store_kernel[(B, num_heads)](projected, q, store, offset, cache.end_offset, exec_mask,
+    _rope_store_kernel[(B, num_heads)](projected, q, store, offset if rows is None else rows, offset,
+                                       cache.end_offset, exec_mask,
                                        projected.stride(0), store.stride(0), store.stride(1), store.stride(2),
                                        store.stride(3), num_heads, kv_heads, cache.capacity,
                                        -math.log(rope_period or 1.0) * 2 / D,
                                        HALF=D // 2, ROPE=rope_period is not None,
-                                       FP8=store.dtype == torch.float8_e4m3fn)
+                                       FP8=store.dtype == torch.float8_e4m3fn, INDEXED=rows is not None)
     _advance_kernel[(1,)](offset, cache.end_offset, exec_mask, B, BLOCK=triton.next_power_of_2(B))
     return q
 
@@ -240,7 +250,7 @@ def _decode_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.T
     cache = state.kv_cache
     q = rope_and_store(self.in_projs[0](query), state.offset, cache, state.exec_mask, self.num_heads,
                        self.rope.max_period if self.rope is not None else None)
-    x = attend(q, cache.cache[0], cache.cache[1], cache.end_offset)
+    x = attend(q, cache.cache[0], cache.cache[1], cache.end_offset, getattr(cache, "rows", None))
     state.offset_cpu += 1
     return self.out_projs[0](rearrange(x, "b h t d -> b t (h d)"))
 

@@ -90,12 +90,12 @@ class SlotSampling:
         self.top_k[slot] = params.top_k
         self.top_k_text[slot] = params.top_k_text
 
-    def rows(self, b: int) -> "SlotSampling":
-        """The settings of the first b slots (views)."""
-        view = object.__new__(SlotSampling)
+    def at(self, rows: torch.Tensor) -> "SlotSampling":
+        """The settings of slots `rows` [b], row by row (copies)."""
+        carried = object.__new__(SlotSampling)
         for name, value in vars(self).items():
-            setattr(view, name, value[:b])
-        return view
+            setattr(carried, name, value[rows])
+        return carried
 
 
 def sample(

@@ -1,10 +1,15 @@
 """The temporal transformer's moshi streaming state, for a pool of conversation slots: seen as
-the first b rows (a batch bucket) or as one slot's row, and copied out of and into a slot.
+the rows a step carries (any slots, through a slot table) or as one slot's row, and copied out
+of and into a slot.
 
 moshi allocates each module's streaming state for the whole pool (`lm.streaming(num_slots)`).
-A view here is a copy of a module's state object whose tensors are views of some rows, so a
-module stepped on it reads and writes the pool's own memory: a step of 3 live conversations in
-slots 0..2 pays for 4 rows, not for the pool.
+A step carries the slots with a frame, packed into b rows (`rows[i]` is row i's slot): the
+modules see a copy of each state object whose small per-row tensors (offsets, exec mask) are
+gathered into b-row buffers before the model runs and scattered back after, so a tick of 3
+conversations among 64 pays for 3 rows (or its bucket), wherever they sit in the pool. The KV
+cache is not copied where the attention kernel addresses the pool's ring through the slot
+table (ring_attention.py, on CUDA); moshi's attention (the CPU) gets the carried rows' rings
+gathered up to their filled length, or plain views when the slots are consecutive.
 """
 
 from __future__ import annotations
@@ -38,30 +43,113 @@ def _rows_view(state, num_slots: int, rows: slice):
     return view
 
 
-class SlotStates:
-    def __init__(self, transformer, num_slots: int, buckets):
-        """`transformer` already streaming for `num_slots` rows; views of the first b rows are
-        made once for each b in `buckets` (a CUDA graph keeps the tensors it was captured on)."""
+class CarriedRows:
+    """The modules' states over the b rows a step carries: b-row copies of each state's small
+    tensors, filled from the pool's rows `rows[i]` by `load` and written back by `store`; both
+    are tensor ops, so a CUDA graph of the step takes them in (its slot table is an input).
+
+    `indexed_kv`: the KV caches stay the pool's, and each view's `kv_cache.rows` is the slot
+    table the attention kernel reads (ring_attention.py). Otherwise (moshi's attention) each
+    view gets a b-row ring: `load` gathers the carried rows' rings up to `filled` entries and
+    `store` writes them back up to one past it (the entry a step adds)."""
+
+    def __init__(self, full: list, num_slots: int, b: int, device, indexed_kv: bool):
+        self.b = b
         self.num_slots = num_slots
+        self.indexed_kv = indexed_kv
+        self.rows = torch.arange(b, device=device)  # the slot table; `load` copies a step's into it
+        self.views = []
+        for module, state in full:
+            view = copy.copy(state)
+            view.batch_size = b
+            for name, value in _batch_tensors(state, num_slots):
+                setattr(view, name, value.new_zeros((b, *value.shape[1:])))
+            kv = getattr(state, "kv_cache", None)
+            if kv is not None:
+                kv_view = copy.copy(kv)
+                kv_view.end_offset = kv.end_offset.new_zeros(b)
+                if indexed_kv:
+                    kv_view.rows = self.rows
+                else:
+                    kv_view.cache = kv.cache.new_zeros((kv.cache.shape[0], b, *kv.cache.shape[2:]))
+                view.kv_cache = kv_view
+            self.views.append((module, state, view))
+
+    def load(self, rows: torch.Tensor, active: torch.Tensor, filled: int | None = None) -> None:
+        """Fill the buffers from the pool's `rows` [b]; the carried rows' exec mask is `active`.
+        `filled`: how many ring entries to gather (moshi's attention only; None: the whole ring)."""
+        self.rows.copy_(rows)
+        for _, state, view in self.views:
+            for name, value in _batch_tensors(state, self.num_slots):
+                getattr(view, name).copy_(active if name == "exec_mask" else value[rows])
+            kv = getattr(state, "kv_cache", None)
+            if kv is not None:
+                view.kv_cache.end_offset.copy_(kv.end_offset[rows])
+                if not self.indexed_kv:
+                    n = kv.capacity if filled is None else min(filled, kv.capacity)
+                    view.kv_cache.cache[:, :, :, :n] = kv.cache[:, rows, :, :n]
+
+    def store(self, filled: int | None = None) -> None:
+        """Write the buffers back into the pool's rows (those of the last `load`)."""
+        rows = self.rows
+        for _, state, view in self.views:
+            for name, value in _batch_tensors(state, self.num_slots):
+                if name != "exec_mask":
+                    value[rows] = getattr(view, name)
+            kv = getattr(state, "kv_cache", None)
+            if kv is not None:
+                kv.end_offset[rows] = view.kv_cache.end_offset
+                if not self.indexed_kv:
+                    n = kv.capacity if filled is None else min(filled + 1, kv.capacity)
+                    kv.cache[:, rows, :, :n] = view.kv_cache.cache[:, :, :, :n]
+
+    @contextmanager
+    def seen(self):
+        """Context: the modules see these rows."""
+        for module, _, view in self.views:
+            module._streaming_state = view
+        try:
+            yield
+        finally:
+            for module, state, _ in self.views:
+                module._streaming_state = state
+
+
+class SlotStates:
+    def __init__(self, transformer, num_slots: int, indexed_kv: bool):
+        """`transformer` already streaming for `num_slots` rows. `indexed_kv`: the attention
+        kernel reads the pool's KV cache through the slot table (CarriedRows)."""
+        self.num_slots = num_slots
+        self.indexed_kv = indexed_kv
         self._full = [(m, m._streaming_state) for m in transformer.modules()
                       if getattr(m, "_streaming_state", None) is not None]
-        self._first = {b: [(m, _rows_view(state, num_slots, slice(0, b))) for m, state in self._full]
-                       for b in buckets}
+        self._carried: dict[int, CarriedRows] = {}
+
+    def carried(self, b: int) -> CarriedRows:
+        """The b-row buffers of a step (made once for each b: a CUDA graph keeps the tensors it
+        was captured on)."""
+        if b not in self._carried:
+            device = self._full[0][1].exec_mask.device
+            self._carried[b] = CarriedRows(self._full, self.num_slots, b, device, self.indexed_kv)
+        return self._carried[b]
+
+    def consecutive(self, first: int, b: int):
+        """Context: the modules see the b slots from `first` (views; no copies)."""
+        return self._seeing([(m, _rows_view(state, self.num_slots, slice(first, first + b)))
+                             for m, state in self._full])
+
+    def end_offsets(self) -> torch.Tensor:
+        """Each slot's count of ring entries written (every layer's ring steps alike)."""
+        return next(state.kv_cache.end_offset for _, state in self._full
+                    if getattr(state, "kv_cache", None) is not None)
 
     def states(self):
         """Each module's streaming state over the whole pool."""
         return [state for _, state in self._full]
 
-    def first(self, b: int):
-        """Context: the modules see the first b rows only."""
-        if b not in self._first:
-            raise ValueError(f"a step runs on a batch bucket {tuple(self._first)}, not on {b} rows")
-        return self._seeing(self._first[b])
-
     def slot(self, slot: int):
         """Context: the modules see one slot's row only."""
-        return self._seeing([(m, _rows_view(state, self.num_slots, slice(slot, slot + 1)))
-                             for m, state in self._full])
+        return self.consecutive(slot, 1)
 
     def snapshot(self, slot: int) -> list[dict]:
         """A copy of `slot`'s rows of every module (its KV cache up to its length)."""

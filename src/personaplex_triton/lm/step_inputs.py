@@ -13,8 +13,9 @@ from .token_grid import NUM_AUDIO
 
 @dataclass
 class StepInputs:
-    """What is forced at one step, for the first b slots (b a batch bucket): [b] masks,
-    [b, 8] codes, [b] text tokens."""
+    """What is forced at one step, row by row: [b] masks, [b, 8] codes, [b] text tokens. Row i
+    carries slot `rows[i]` (distinct slots; None: slot i). Under CUDA graphs b is a batch
+    bucket, its rows past the carried frames inactive, on slots no other row carries."""
 
     active: torch.Tensor
     user_codes: torch.Tensor
@@ -25,6 +26,7 @@ class StepInputs:
     embeddings: torch.Tensor | None = None  # [S, 1, dim], replaces the token embeddings where embed_rows
     embed_rows: torch.Tensor | None = None
     user_later: bool = False  # the user's codes come after the step, through `force_user`
+    rows: torch.Tensor | None = None  # [b] the slot table
 
 
 def forced_tokens(inputs: StepInputs, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,9 +53,10 @@ class TokenGrid:
         self.cache[slots], self.provided[slots], self.offset[slots] = (
             t[0].to(self.device) for t in (grid.cache, grid.provided, grid.offset))
 
-    def read(self, rows: slice, active, forced, is_forced):
+    def read(self, rows: torch.Tensor, active, forced, is_forced):
         """Write each active row's forced tokens [b, K] (where `is_forced`) at o + delay (the
-        delayed streams start from the initial token) and read the grid.
+        delayed streams start from the initial token) and read the grid. Row i is slot `rows[i]`
+        (distinct slots; an inactive row's slot is left as it was).
 
         Returns (o [b], tokens of position o - 1 [b, K], what position o holds [b, K] and
         whether it was forced there [b, K])."""
@@ -67,6 +68,7 @@ class TokenGrid:
         _scatter(cache, provided, write, forced, is_forced & active[:, None])
         at_start = (o[:, None] <= self.delays[None, :]) & active[:, None]
         _scatter(cache, provided, (o % CT)[:, None].expand(b, K), self.initial[None, :].expand(b, K), at_start)
+        self.cache[rows], self.provided[rows] = cache, provided
         src = ((o - 1) % CT)[:, None, None].expand(b, K, 1)
         dst = (o % CT)[:, None, None].expand(b, K, 1)
         return o, cache.gather(2, src)[:, :, 0], cache.gather(2, dst)[:, :, 0], provided.gather(2, dst)[:, :, 0]
@@ -114,9 +116,10 @@ class TokenGrid:
         self.cache[index] = values
         self.provided[index] = True
 
-    def write(self, rows: slice, o, active, sampled, target_provided):
-        """Samples fill position o where nothing was forced; o - 1 is done; active rows move on.
-        Returns (tokens [b, K] of position o - max_delay, has_output [b])."""
+    def write(self, rows: torch.Tensor, o, active, sampled, target_provided):
+        """Samples fill position o where nothing was forced; o - 1 is done; active rows move on
+        (row i is slot `rows[i]`, as in `read`). Returns (tokens [b, K] of position
+        o - max_delay, has_output [b])."""
         K, CT = self.num_codebooks, self.ring
         cache, provided = self.cache[rows], self.provided[rows]
         b = active.shape[0]
@@ -128,6 +131,7 @@ class TokenGrid:
         has_output = active & (o > self.max_delay)
         out_pos = (o[:, None] - self.max_delay + self.delays[None, :]) % CT
         tokens = cache.gather(2, out_pos[:, :, None])[:, :, 0]
+        self.cache[rows], self.provided[rows] = cache, provided
         self.offset[rows] = torch.where(active, o + 1, o)
         return tokens, has_output
 

@@ -245,6 +245,16 @@ class Talker:
             return ""
         return self.tokenizer.id_to_piece(token).replace("\u2581", " ")
 
+    def slot_table(self, slots: list[int]) -> torch.Tensor:
+        """A step's slot table: the carried `slots` packed first, then, up to the batch bucket
+        (under CUDA graphs), slots not carried, whose rows stay inactive."""
+        if not self.generator.graphs.enabled:
+            return torch.tensor(slots)
+        rows = bucket_for(len(slots), self.generator.buckets)
+        carried = set(slots)
+        padding = [s for s in range(self.num_slots) if s not in carried][:rows - len(slots)]
+        return torch.tensor(slots + padding)
+
     @torch.no_grad()
     def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, AgentStep]:
         """One batched step: each slot in `user_frames` plays its 1920-sample frame. Returns the
@@ -257,23 +267,25 @@ class Talker:
             return {}
         later = self._encoder is not None
         codes = {} if later else self.mimi.encode(user_frames)
-        rows = bucket_for(1 + max(user_frames), self.generator.buckets)
         slots = sorted(user_frames)
+        table = self.slot_table(slots)
+        rows = len(table)
         # whole-batch ops, not one per slot: each op lets the stub's other threads take the GIL
         active = torch.zeros(rows, dtype=torch.bool)
-        active[slots] = True
+        active[:len(slots)] = True
         user = torch.zeros(rows, NUM_AUDIO, dtype=torch.long)
         if not later:
-            user[slots] = torch.stack([codes[s] for s in slots])
+            user[:len(slots)] = torch.stack([codes[s] for s in slots])
         unforced = torch.zeros(rows, dtype=torch.bool)
         idle = torch.zeros(rows, dtype=torch.long)
         inputs = StepInputs(*(t.to(self.device) for t in (active, user, idle[:, None].expand(rows, NUM_AUDIO),
-                                                          unforced, idle, unforced)), user_later=later)
+                                                          unforced, idle, unforced)), user_later=later,
+                            rows=table)
         positions = self.generator.grid.offset[slots].clone() if later else None  # before the step moves them
         tokens, has_output, _ = self.generator.step(inputs)
-        tokens, has_output = tokens.cpu().numpy(), has_output.cpu().numpy()
-        answers = {s: AgentStep(tokens[s, 1:1 + NUM_AUDIO].copy(), int(tokens[s, 0]))
-                   for s in user_frames if has_output[s]}
+        tokens, has_output = tokens[:len(slots)].cpu().numpy(), has_output[:len(slots)].cpu().numpy()
+        answers = {s: AgentStep(tokens[i, 1:1 + NUM_AUDIO].copy(), int(tokens[i, 0]))
+                   for i, s in enumerate(slots) if has_output[i]}
         if later:  # once the answers are out of the step, which the encode would otherwise delay
             self._encodings.append((self._encoder.submit(self.mimi.encode, user_frames), slots, positions))
         return answers

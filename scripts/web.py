@@ -46,11 +46,14 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1",
                         help="the gateway's address (default %(default)s; 0.0.0.0 for other machines, "
                              "whose browsers give the microphone only to https pages: see docs/gateway.md)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "out", help="where the servers' logs go")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "out" / "web", help="where the servers' logs go")
     parser.add_argument("gateway_args", nargs="*", help="after --: more arguments of the gateway")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, interrupt)  # a SIGTERM stops both as Ctrl-C does
+    # Ctrl-C, and SIGTERM likewise, stop both; installed even where SIGINT came in ignored (a
+    # background job of a script), which Python would otherwise keep.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
 
     triton_log, gateway_log = args.out / "tritonserver.log", args.out / "gateway.log"
     print(f"starting tritonserver (log: {triton_log}) ...", flush=True)

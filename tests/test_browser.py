@@ -239,3 +239,30 @@ def test_the_capture_resampler(page, gateway, rate):
     assert measured["low"]["rms"] == pytest.approx(0.5 / np.sqrt(2), rel=0.02)
     assert measured["low"]["hz"] == pytest.approx(1000, rel=0.01)
     assert measured["high"]["rms"] < 0.01
+
+
+def test_the_jitter_buffer_bounds_its_delay(page, gateway):
+    """The playback worklet, offline at 24 kHz, given 25 frames (2 s) at once: each time a frame
+    takes the queue past its 600 ms bound (the 8th, 14th, 20th), the oldest go, down to its
+    160 ms target (2 frames left), so 18 are dropped and the newest 7 play whole; then it runs
+    dry once and plays silence."""
+    page.goto(gateway)
+    played = page.evaluate("""async () => {
+        const context = new OfflineAudioContext(1, 24000, 24000);  // 1 s
+        await context.audioWorklet.addModule("audio-processors.js");
+        const player = new AudioWorkletNode(context, "playback-processor", {
+            numberOfInputs: 0, outputChannelCount: [1], processorOptions: { targetMs: 160, maxMs: 600 } });
+        const reports = [];
+        player.port.onmessage = (event) => reports.push(event.data);
+        player.connect(context.destination);
+        for (let f = 0; f < 25; f++) player.port.postMessage(new Float32Array(1920).fill(f % 2 ? 0.5 : -0.5));
+        await new Promise((resolve) => setTimeout(resolve, 200));  // the frames reach the worklet first
+        const rendered = (await context.startRendering()).getChannelData(0);
+        await new Promise((resolve) => setTimeout(resolve, 200));
+        let audible = 0;
+        for (const s of rendered) if (s !== 0) audible++;
+        return { ...reports[reports.length - 1], audible, last: rendered[7 * 1920 - 1] };
+    }""")
+    assert (played["framesDropped"], played["framesPlayed"], played["underruns"]) == (18, 7, 1)
+    assert played["audible"] == 7 * 1920 and played["peak"] == 0.5
+    assert played["last"] == -0.5  # the last sample played is the newest frame's (frame 24: -0.5)

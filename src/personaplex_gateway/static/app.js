@@ -9,7 +9,7 @@ const ui = {
   voice: $("voice"), prompt: $("prompt"), seed: $("seed"), start: $("start"), stop: $("stop"),
   clock: $("clock"), latency: $("latency"), buffer: $("buffer"), frames: $("frames"), underruns: $("underruns"),
   transcript: $("transcript"), downloadAudio: $("download-audio"), downloadText: $("download-text"),
-  meterUser: $("meter-user"), meterAgent: $("meter-agent"),
+  meterUser: $("meter-user"), meterAgent: $("meter-agent"), live: $("live"),
 };
 const token = new URLSearchParams(location.search).get("token");
 const STATE_TEXT = {
@@ -18,6 +18,7 @@ const STATE_TEXT = {
 };
 const FRAME_S = FRAME_SAMPLES / WIRE_RATE;
 const HEALTH_RETRY_MS = 2000;
+const NARROW = window.matchMedia("(max-width: 760px)");  // one column: the conversation is below the persona
 
 let conversation = null;
 let serverReady = false;
@@ -108,6 +109,12 @@ function renderTranscript(text) {
   ui.transcript.scrollTop = ui.transcript.scrollHeight;
 }
 
+// Up to two frames (160 ms) feels immediate; past half a second the talk feels delayed.
+function latencyLevel(ms) {
+  if (ms === null) return "";
+  return ms <= 160 ? "good" : ms <= 500 ? "slow" : "late";
+}
+
 function renderFigures() {
   const c = conversation;
   const state = window.personaplex;
@@ -119,6 +126,7 @@ function renderFigures() {
     elapsedS: c.elapsedS, contextRate: c.context ? c.context.sampleRate : null,
   });
   ui.latency.textContent = c.medianLatencyMs === null ? "–" : `${Math.round(c.medianLatencyMs)} ms`;
+  ui.latency.dataset.level = latencyLevel(c.medianLatencyMs);
   ui.latency.title = c.lastLatencyMs === null ? "" : `median of the last 50 frames; last ${Math.round(c.lastLatencyMs)} ms`;
   ui.buffer.textContent = c.state === "live" ? `${Math.round(c.playback.queuedMs)} ms` : "–";
   ui.frames.textContent = `${c.framesReceived} / ${c.framesSent}`;
@@ -182,6 +190,7 @@ ui.start.addEventListener("click", () => {
     }
     setControls();
     renderFigures();
+    if (state === "live" && NARROW.matches) ui.live.scrollIntoView({ behavior: "smooth", block: "start" });
   });
   conversation.addEventListener("transcript", ({ detail: { text } }) => renderTranscript(text));
   renderTranscript("");

@@ -77,15 +77,21 @@ class CaptureProcessor extends AudioWorkletProcessor {
 
 // The agent's frames in (24 kHz Float32Arrays, posted by the page), the speakers out, through
 // a jitter buffer: playback starts once `targetMs` is queued and, after an underrun, waits for
-// `targetMs` again; past `maxMs` queued, the oldest audio is dropped so delay cannot grow.
-// Every ~100 ms it posts what reached the output: frames, samples, peak, queue, underruns.
+// `targetMs` again. Answers that arrive in a burst leave more queued than the target, and that
+// delay would stay for the rest of the conversation: where the queue has not fallen below
+// target + one frame for `trimAfterMs`, or holds more than `maxMs`, the oldest whole frames
+// are dropped back to the target.
+// Every ~100 ms it posts what reached the output: frames, samples, peak, queue, underruns, drops.
 class PlaybackProcessor extends AudioWorkletProcessor {
   constructor(options) {
     super();
-    const { targetMs = 160, maxMs = 600 } = options.processorOptions || {};
+    const { targetMs = 160, maxMs = 600, trimAfterMs = 2000 } = options.processorOptions || {};
     this.resampler = sampleRate === WIRE_RATE ? null : new Resampler(WIRE_RATE, sampleRate);
     this.target = Math.round((targetMs * sampleRate) / 1000);
     this.max = Math.round((maxMs * sampleRate) / 1000);
+    this.standing = this.target + Math.round((FRAME_SAMPLES * sampleRate) / WIRE_RATE);
+    this.trimAfter = Math.round((trimAfterMs * sampleRate) / 1000);
+    this.aboveFor = 0;  // samples played since the queue was last at or below `standing`
     this.queue = [];  // chunks at the context's rate, one per frame received
     this.readOffset = 0;  // into queue[0]
     this.queued = 0;  // samples in the queue not yet played
@@ -99,11 +105,16 @@ class PlaybackProcessor extends AudioWorkletProcessor {
     const chunk = this.resampler ? this.resampler.push(frame) : frame;
     this.queue.push(chunk);
     this.queued += chunk.length;
-    while (this.queued > this.max && this.queue.length > 1) {
+    if (this.queued > this.max) this.trim();
+  }
+
+  trim() {
+    while (this.queue.length > 1 && this.queued - (this.queue[0].length - this.readOffset) >= this.target) {
       this.queued -= this.queue.shift().length - this.readOffset;
       this.readOffset = 0;
       this.stats.framesDropped++;
     }
+    this.aboveFor = 0;
   }
 
   process(_inputs, outputs) {
@@ -135,6 +146,8 @@ class PlaybackProcessor extends AudioWorkletProcessor {
     }
     out.fill(0, written);
     this.stats.samplesPlayed += written;
+    this.aboveFor = this.queued > this.standing ? this.aboveFor + out.length : 0;
+    if (this.aboveFor >= this.trimAfter) this.trim();
     for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
     this.sinceReport += out.length;
     if (this.sinceReport >= sampleRate / 10) {

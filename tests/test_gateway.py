@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,18 +41,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def gateway_process(triton_url: str, *flags: str):
+def gateway_process(triton_url: str, *flags: str, scheme: str = "http", trust: ssl.SSLContext | None = None):
     """`python -m personaplex_gateway` on a free port until the block ends; yields its base URL."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "personaplex_gateway", "--triton-url", triton_url,
                                 "--port", str(port), "--checkpoint", str(REPO_ROOT / "checkpoints" / "tiny"), *flags],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{scheme}://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                with urllib.request.urlopen(url + "/healthz", timeout=2) as reply:
+                with urllib.request.urlopen(url + "/healthz", timeout=2, context=trust) as reply:
                     if reply.status == 200:
                         break
             except OSError:
@@ -351,6 +353,27 @@ def test_token_and_origin_are_checked_before_the_upgrade(server):
         assert asyncio.run(attempt(base, headers={"Authorization": "Bearer s3cret"})) == "session.created"
         assert asyncio.run(attempt(base, "?token=s3cret", {"Origin": "https://evil.example"})) == 403
         assert asyncio.run(attempt(base, "?token=s3cret", {"Origin": "https://app.example"})) == "session.created"
+
+
+def test_tls_serves_https_and_wss(server, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate to serve TLS with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    trust = ssl.create_default_context(cafile=str(cert))
+
+    async def run(base):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(base + "/healthz", ssl=trust) as reply:
+                health = reply.status
+            async with http.ws_connect(base.replace("https://", "wss://") + "/v1/realtime", ssl=trust) as ws:
+                return health, (await ws.receive(timeout=10)).json()["type"]
+
+    with gateway_process(server.grpc_url, "--tls-cert", str(cert), "--tls-key", str(key), scheme="https",
+                         trust=trust) as base:
+        assert asyncio.run(run(base)) == (200, "session.created")
 
 
 def test_health_voices_and_the_page(gateway):

@@ -182,3 +182,21 @@ def test_origin_allow_list():
 def test_close_reason_fits_a_close_frame_in_whole_characters():
     reason = close_reason("é" * 100)
     assert len(reason) <= 123 and reason.decode("utf-8") == "é" * 61
+
+
+def test_cli_flags_make_the_config_and_name_bad_combinations(tmp_path):
+    from personaplex_gateway import cli
+
+    config = cli.config_of(cli.parse_args(["--voices", "NATM0, NATF0", "--origins", "https://a.example/,https://b.example",
+                                           "--token", "t", "--max-connections", "3", "--triton-tls",
+                                           "--triton-ca", "ca.pem"]))
+    assert config.voices.names == ("NATM0", "NATF0") and config.voices.default_voice == "NATF0"
+    assert config.origins == ("https://a.example", "https://b.example") and config.token == "t"
+    assert config.max_connections == 3 and config.triton_tls.root_certificates == "ca.pem"
+    assert cli.config_of(cli.parse_args(["--voices", "NATF0"])).triton_tls is None
+    for argv, words in ((["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+                        (["--triton-client-cert", "c.pem"], "--triton-client-cert and --triton-client-key"),
+                        (["--static", str(tmp_path)], "has no index.html"),
+                        (["--checkpoint", str(tmp_path)], "no voices/ folder")):
+        with pytest.raises(ValueError, match=words):
+            cli.config_of(cli.parse_args(["--voices", "NATF0"] * ("--checkpoint" not in argv) + argv))

@@ -141,6 +141,7 @@ def test_a_conversation_in_the_page(page, gateway):
     page.click("#start")
     page.wait_for_function("window.personaplex.state === 'live'", timeout=LIVE_TIMEOUT_MS)
     assert page.text_content("#status-text") == "Live"
+    assert page.text_content("#stop") == "End conversation" and not page.is_visible("#start")
     # Talks for TALK_S, and has TALK_S - 2 s of answers: on a loaded machine they come late, not never.
     page.wait_for_function(f"window.personaplex.framesSent >= {TALK_S * FRAMES_PER_S} && "
                            f"window.personaplex.framesReceived >= {(TALK_S - 2) * FRAMES_PER_S}",
@@ -190,7 +191,7 @@ def test_an_unknown_voice_shows_the_servers_message(page, gateway):
     message = state(page)["error"]
     assert "NOPE9" in message and "unknown_voice" in message
     assert page.is_visible("#error") and page.text_content("#error-text") == message
-    assert page.is_enabled("#start") and not page.is_enabled("#stop")
+    assert page.is_visible("#start") and page.is_enabled("#start") and not page.is_visible("#stop")
 
 
 def test_a_browser_that_refuses_24khz_resamples(page, gateway):

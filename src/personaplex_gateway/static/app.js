@@ -52,8 +52,12 @@ function showError(message) {
 
 function setControls() {
   const active = conversation && ["connecting", "loading", "live"].includes(conversation.state);
-  ui.start.disabled = active || !serverReady;
+  // One main button: start, or while a conversation is on, end it (cancel before it is live).
+  ui.start.hidden = active;
+  ui.start.disabled = !serverReady;
+  ui.stop.hidden = !active;
   ui.stop.disabled = !active;
+  ui.stop.textContent = conversation && conversation.state === "live" ? "End conversation" : "Cancel";
   for (const input of [ui.voice, ui.prompt, ui.seed]) input.disabled = active || !serverReady;
   const recorded = conversation && !active && conversation.agentFrames.length > 0;
   ui.downloadAudio.disabled = !recorded;

@@ -187,11 +187,18 @@ def main():
             rows += talker_ticks(lm, encoder, tokenizer, pool, attention, kv_dtype, voice, frames, args)
     code2wav = []
     for slots in args.slots:
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         decoder = Code2Wav(TorchStepRunner("decoder", mimi, cuda_graphs=graphs), slots)
         codes = {s: rng.integers(0, 2048, 8) for s in range(slots)}
         for s in range(slots):
             decoder.start(s)
-        code2wav.append({"slots": slots, "code2wav_tick_ms": timed(lambda: decoder.tick(codes), args.steps)})
+        code2wav.append({"slots": slots, "code2wav_tick_ms": timed(lambda: decoder.tick(codes), args.steps),
+                         # what a decoder of this many slots needs beyond Mimi's weights: its pool and a full tick
+                         "code2wav_peak_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)})
+        print(code2wav[-1], flush=True)
         del decoder
 
     report = {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
@@ -320,8 +327,8 @@ def write_report(report, out: Path, name: str) -> None:
         lines += [f"| {dtype} | {m['kv_bytes_per_conversation'] / 2**30:.2f} | {m['bytes_per_conversation'] / 2**30:.2f} "
                   f"| {m['free_gib_after_weights']} | {m['conversations_that_fit']} | {m['max_conversations_auto']} |"
                   for dtype, m in report["memory"].items()]
-    lines += ["", "| live conversations | code2wav tick (ms) |", "| ---: | ---: |"]
-    lines += [f"| {r['slots']} | {r['code2wav_tick_ms']} |" for r in report["code2wav"]]
+    lines += ["", "| live conversations | code2wav tick (ms) | code2wav memory (GiB) |", "| ---: | ---: | ---: |"]
+    lines += [f"| {r['slots']} | {r['code2wav_tick_ms']} | {r.get('code2wav_peak_gib', '')} |" for r in report["code2wav"]]
     for key, what in (("agreement", "the eager step on the project's kernels (ring attention, fused RoPE, norms and "
                                     "gatings) against moshi's modules"),
                       ("kv_agreement", "the eager step with an fp8 KV cache against a bf16 one (ring attention)")):

@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from personaplex_triton.engine.engine import ConversationError, SlotEngine
 
@@ -228,7 +229,8 @@ class RecordingMetrics(Metrics):
         assert latency_s >= 0
         self.frames += 1
 
-    def tick(self, seconds):
+    def tick(self, seconds, frames):
+        assert frames >= 1
         self.ticks += 1
 
     def alive(self, up):
@@ -301,6 +303,20 @@ def test_unattributed_fault_is_retried_once():
         stage.faults = [RuntimeError("transient")]
         c = run(engine, 1, ["x", "y"])
         assert c.outputs == [("x", 1), ("y", 2)] and c.errors == [None]
+    finally:
+        engine.shutdown()
+
+
+def test_a_tick_out_of_gpu_memory_keeps_the_live_conversations_and_refuses_newcomers():
+    stage = FaultyStage(2)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        stage.faults = [torch.OutOfMemoryError("CUDA out of memory")]
+        c = run(engine, 1, ["x", "y"])
+        assert c.outputs == [("x", 1), ("y", 2)] and c.errors == [None]
+        with pytest.raises(ConversationError, match="at capacity: a tick ran out of GPU memory"):
+            engine.open(2, None)
     finally:
         engine.shutdown()
 

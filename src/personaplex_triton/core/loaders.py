@@ -92,6 +92,16 @@ CPU_DECODER_SLOTS = 8
 GPU_DECODER_SLOTS = 192
 GPU_RESERVED_BYTES = 8 << 30
 
+# The engines' schedulers (engine/scheduler.py). Code2wav's frames come one response at a time
+# from a talker tick's answers: its tick gathers them, until none has come for the quiet gap,
+# at most the bound after the first. On a GPU the talker refuses a newcomer when its measured
+# tick model says the live conversations and it would settle at ticks longer than this: a frame
+# waits up to a tick and is answered at the end of the next, and code2wav and Triton take their
+# share of the 80 ms.
+CODE2WAV_GATHER_QUIET_S = 0.0005
+CODE2WAV_GATHER_MAX_S = 0.002
+GPU_ADMISSION_TICK_S = 0.032
+
 # Threads of a stage's process on a CPU. PyTorch's intra-op threads: 1. The LM's ops are small,
 # and an OpenMP team whose cores are shared (the other stage's process, Triton, anything else)
 # waits for its slowest thread at every op: on the 2-core machine under load the talker's tick

@@ -15,6 +15,7 @@ FAMILIES = {
     "personaplex_conversations_active": ("gauge", "Conversations holding a slot"),
     "personaplex_conversations_prefilling": ("gauge", "Conversations still playing their persona prefill"),
     "personaplex_tick_duration_seconds": ("histogram", "Duration of one batched step over the slot pool"),
+    "personaplex_tick_frames_total": ("counter", "Frames the ticks carried (over the ticks' count: frames per tick)"),
     "personaplex_frames_total": ("counter", "Frames answered"),
     "personaplex_frame_latency_seconds": ("histogram", "In-server latency of a frame: request arrival in the model to its response"),
     "personaplex_requests_rejected_total": ("counter", "Requests answered with an error, by reason"),
@@ -27,7 +28,7 @@ SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 
 # Labels of personaplex_requests_rejected_total.
 INVALID_INPUT = "invalid_input"      # breaks the wire contract
 LIMIT = "limit"                      # over one of the documented limits
-NO_FREE_SLOT = "no_free_slot"
+NO_FREE_SLOT = "no_free_slot"       # every slot taken, or the tick model says one more would be late
 NOT_OPEN = "not_open"                # no such conversation (never started, ended, or timed out)
 LOST_FRAME = "lost_frame"            # a frame index out of order between the stages
 CANCELLED = "cancelled"              # the client went away
@@ -99,7 +100,7 @@ class Metrics:
     def conversations(self, active: int, prefilling: int) -> None:
         pass
 
-    def tick(self, seconds: float) -> None:
+    def tick(self, seconds: float, frames: int) -> None:
         pass
 
     def frame_answered(self, latency_s: float) -> None:

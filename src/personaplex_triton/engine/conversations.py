@@ -1,8 +1,8 @@
 """A stage's conversations: which slot each holds, what it has queued, what it still owes.
 
-`ConversationTable` is the engine's scheduler. It admits conversations (evicting an idle one
-when every slot is taken), queues their requests' items, picks each tick's batch (at most one
-item a slot) and frees slots. It is plain data, not thread-safe: the engine (engine.py,
+`ConversationTable` admits conversations (evicting an idle one when every slot is taken),
+queues their requests' items and frees slots; the scheduler (scheduler.py) picks each tick's
+items from its queues. It is plain data, not thread-safe: the engine (engine.py,
 engine_loop.py) calls it under its lock, and calls the stage and the requests' callbacks outside it.
 """
 
@@ -124,7 +124,8 @@ class ConversationTable:
                 self.close(min(idle, key=lambda c: c.last_active))
         if len(self.all) - sum(c.closable for c in self.all) >= self.num_slots:
             raise ConversationError(
-                f"all {self.num_slots} conversation slots are busy; try again later", reasons.NO_FREE_SLOT)
+                f"at capacity: all {self.num_slots} conversation slots are busy; try again later",
+                reasons.NO_FREE_SLOT)
         conv = Conversation(key, setup)
         self.open[key] = conv
         self.all.append(conv)
@@ -190,7 +191,8 @@ class ConversationTable:
         return owed
 
     def take_starting(self) -> list[Conversation]:
-        """The conversations to start, each given the lowest free slot (steps run on the first rows)."""
+        """The conversations to start, each given the lowest free slot (any would do: a tick's
+        rows reach their slots through a slot table)."""
         starting = list(self.to_start)
         self.to_start.clear()
         for conv in starting:
@@ -201,10 +203,6 @@ class ConversationTable:
 
     def live(self) -> list[Conversation]:
         return [c for c in self.all if c.slot is not None]
-
-    def next_batch(self) -> dict[int, tuple]:
-        """Each live conversation's next item, by slot: (conversation, request, item, queued at)."""
-        return {c.slot: (c, *c.queue.popleft()) for c in self.live() if c.queue}
 
     def owes_work(self) -> bool:
         """Whether some conversation still owes answers or a release (shutdown waits for none)."""

@@ -2,10 +2,11 @@
 
 Both stages run on it: a stage owns per-slot model state and answers `tick(items)` with one
 batched step. `SlotEngine` is what request threads call; they only queue work (`execute()`
-returns at once). Its parts, as in vLLM's engine: the scheduler, ConversationTable
-(conversations.py), maps conversations to slots, queues each request's items and picks each
-tick's batch; the loop (engine_loop.py) frees, starts and ticks on the engine's thread; the
-tick (ticker.py) steps the stage; answers go back through each request's callbacks, in order,
+returns at once). Its parts, as in vLLM's engine: ConversationTable (conversations.py) maps
+conversations to slots and queues each request's items; the scheduler (scheduler.py) decides
+what each tick carries and when it starts, and admits conversations by time; the loop
+(engine_loop.py) frees, starts and ticks on the engine's thread; the tick (ticker.py) steps
+the stage; answers go back through each request's callbacks, in order,
 from the outbox thread (outbox.py, answers.py), so the next tick need not wait for the sends.
 Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub sends from several
 at once (a boost::interprocess lock_exception). The parts share the engine's lock, and end a
@@ -33,6 +34,7 @@ from .answers import AnswerSender, finish
 from .conversations import Conversation, ConversationError, ConversationTable, Request
 from .engine_loop import EngineLoop
 from .outbox import Outbox
+from .scheduler import Scheduler
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -53,10 +55,12 @@ class Stage(Protocol):
 class SlotEngine:
     def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
-                 faults: FaultPlan | None = None):
+                 faults: FaultPlan | None = None, gather_quiet_s: float = 0.0, gather_max_s: float = 0.0,
+                 admission_tick_s: float = 0.0):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
-        client that vanishes, a sequence that Triton times out). `faults`: see faults.py."""
+        client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
+        `gather_quiet_s`, `gather_max_s`, `admission_tick_s`: the scheduler's (scheduler.py)."""
         self.stage = stage
         self.name = name
         self.metrics = metrics or Metrics()
@@ -64,13 +68,16 @@ class SlotEngine:
         self.failure: str | None = None  # why the engine cannot go on
         self._cond = threading.Condition()
         self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
+        self.scheduler = Scheduler(self._table, gather_quiet_s, gather_max_s, admission_tick_s)  # under self._cond
         self._admitting = True
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
         outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
             f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE))
-        ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults)
-        self._loop = EngineLoop(name, stage, self._cond, self._table, ticker, outbox, self._fail, self._stop_all,
+        ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults,
+                        on_out_of_memory=self.scheduler.out_of_memory)
+        self._loop = EngineLoop(name, stage, self._cond, self._table, self.scheduler, ticker, outbox, self._fail,
+                                self._stop_all,
                                 self.metrics, idle_timeout_s)
         self._loop.start()
 
@@ -87,6 +94,10 @@ class SlotEngine:
                 raise ConversationError(self.failure, reasons.UNAVAILABLE)
             if not self._admitting:
                 raise ConversationError("the server is shutting down; no new conversations", reasons.UNAVAILABLE)
+            if key not in self._table.open:
+                late = self.scheduler.admission_error(len(self._table.live()))
+                if late is not None:
+                    raise ConversationError(late, reasons.NO_FREE_SLOT)
             self._table.admit(key, setup, restart)
             self._cond.notify()
 

@@ -2,7 +2,7 @@
 
 A pass closes conversations idle too long, releases the slots of ended ones, starts new ones
 (a stage's start sets its slot up in full: the talker plays the persona's prefill there), then
-ticks the batch the table picks. Between ticks it beats (the model's health signal), asks
+ticks what the scheduler plans (scheduler.py), once it is due. Between ticks it beats (the model's health signal), asks
 pending requests whether their client is gone, and keeps the occupancy gauges. If the loop
 itself dies, every pending request gets an error (`stop_all`); however it ends, the outbox then
 delivers what it holds and stops.
@@ -20,6 +20,7 @@ from ..core.metrics import Metrics
 from .answers import finish
 from .conversations import Conversation, ConversationTable
 from .outbox import Outbox
+from .scheduler import Scheduler
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,8 @@ CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their cl
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, name: str, stage, lock: threading.Condition, table: ConversationTable, ticker: Ticker,
-                 outbox: Outbox, fail: Callable[[Conversation, str, str], None],
+    def __init__(self, name: str, stage, lock: threading.Condition, table: ConversationTable,
+                 scheduler: Scheduler, ticker: Ticker, outbox: Outbox, fail: Callable[[Conversation, str, str], None],
                  stop_all: Callable[[str, str], None], metrics: Metrics, idle_timeout_s: float | None):
         """`stage`, `lock` (over `table` and `running`), `fail(conversation, message, reason)`,
         `stop_all(message, reason)` and `idle_timeout_s`: the engine's (SlotEngine)."""
@@ -38,6 +39,7 @@ class EngineLoop(threading.Thread):
         self.stage = stage
         self._lock = lock
         self._table = table
+        self._scheduler = scheduler
         self._ticker = ticker
         self._outbox = outbox
         self._fail = fail
@@ -63,9 +65,9 @@ class EngineLoop(threading.Thread):
         """One pass of the loop: free, start, tick; False once shut down."""
         table = self._table
         with self._lock:
-            if self.running and not (table.to_start or any(c.closable for c in table.all)
-                                     or any(c.queue for c in table.live())):
-                self._lock.wait(HEARTBEAT_S)
+            due = self._scheduler.due_in()
+            if self.running and not (table.to_start or any(c.closable for c in table.all)) and due != 0:
+                self._lock.wait(HEARTBEAT_S if due is None else due)
             if not self.running:
                 return False
             now = time.monotonic()
@@ -85,9 +87,9 @@ class EngineLoop(threading.Thread):
         if starting:
             self._start(starting)
         with self._lock:
-            batch = table.next_batch()
-        if batch:
-            self._ticker.tick(batch)
+            plan = self._scheduler.schedule()
+        if plan:
+            self._scheduler.record(plan, self._ticker.tick(plan.items))
         self._report_occupancy()
         return True
 

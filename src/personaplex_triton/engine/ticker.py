@@ -2,7 +2,9 @@
 
 Faults stay where they arise: a failing step ends the conversation it names (`SlotFault`) and
 the rest step again; any other failure is retried once, then ends the conversations in it.
-Either way the engine's loop goes on.
+Either way the engine's loop goes on. A tick that runs out of GPU memory is retried the same
+way, and the scheduler refuses new conversations for a while (`on_out_of_memory`): a full card
+turns newcomers away rather than failing the live conversations.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 import threading
 import time
 from typing import Callable
+
+import torch
 
 from ..core import metrics as reasons
 from ..core.faults import FaultPlan, SlotFault
@@ -24,9 +28,11 @@ log = logging.getLogger(__name__)
 
 class Ticker:
     def __init__(self, name: str, stage, lock: threading.Condition, fail: Callable[[Conversation, str, str], None],
-                 outbox: Outbox, metrics: Metrics, faults: FaultPlan | None = None):
+                 outbox: Outbox, metrics: Metrics, faults: FaultPlan | None = None,
+                 on_out_of_memory: Callable[[], None] = lambda: None):
         """`stage`: the engine's (engine.Stage); `lock`: the engine's, over its conversations;
-        `fail(conversation, message, reason)` ends a conversation."""
+        `fail(conversation, message, reason)` ends a conversation; `on_out_of_memory()`: a tick
+        ran out of GPU memory."""
         self.name = name
         self.stage = stage
         self._lock = lock
@@ -34,13 +40,16 @@ class Ticker:
         self._outbox = outbox
         self.metrics = metrics
         self.faults = faults
+        self._on_out_of_memory = on_out_of_memory
         self.tick_span = (0.0, 0.0)  # wall-clock start and end of the last tick, for the trace
 
-    def tick(self, batch) -> None:
-        """Step `batch` (ConversationTable.next_batch) and put its answers in the outbox."""
+    def tick(self, batch) -> float:
+        """Step `batch` (a TickPlan's items, scheduler.py) and put its answers in the outbox;
+        returns how long the stage's tick took."""
+        started = time.monotonic()
         outputs = self._step(batch)
         if outputs is None:
-            return
+            return time.monotonic() - started
         answers = []
         for slot, (conv, request, _, queued) in batch.items():
             if conv.slot != slot:  # ended while stepping
@@ -51,6 +60,7 @@ class Ticker:
             answers.append(Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
             conv.answered += 1
         self._outbox.put(answers)
+        return self.tick_span[1] - self.tick_span[0]
 
     def _ticked(self, batch) -> list[Conversation]:
         """The conversations a tick steps: those with an item, less any ended meanwhile (by a
@@ -81,10 +91,14 @@ class Ticker:
                     self._fail(culprit, f"internal error while stepping this conversation: {exc}", reasons.INTERNAL)
                     continue
                 error = exc
+            except torch.OutOfMemoryError as exc:
+                error = exc
+                self._on_out_of_memory()
+                torch.cuda.empty_cache()  # what this process caches, for the retry
             except Exception as exc:
                 error = exc
             else:
-                self.metrics.tick(time.monotonic() - started)
+                self.metrics.tick(time.monotonic() - started, len(ticked))
                 return outputs
             if not retried:
                 log.warning("%s: step failed (%s); retrying it once", self.name, error)

@@ -185,7 +185,8 @@ class TalkerService:
         self.warm(warm_personas)
         self.talker.persona_cache.on_lookup = self.metrics.persona_cache_lookup  # after warming: clients' only
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
-                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env())
+                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
+                                 admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0)
 
     def warm(self, voices: str) -> list[str]:
         """Prefill personas into the persona cache before serving, so their first conversation
@@ -290,7 +291,9 @@ class Code2WavService:
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
-                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics)
+                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics,
+                                 gather_quiet_s=loaders.CODE2WAV_GATHER_QUIET_S,
+                                 gather_max_s=loaders.CODE2WAV_GATHER_MAX_S)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:

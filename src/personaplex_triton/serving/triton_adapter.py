@@ -118,8 +118,9 @@ class TritonMetrics(Metrics):
         self._updates.set(("personaplex_conversations_active", ()), active)
         self._updates.set(("personaplex_conversations_prefilling", ()), prefilling)
 
-    def tick(self, seconds: float) -> None:
+    def tick(self, seconds: float, frames: int) -> None:
         self._updates.observe(("personaplex_tick_duration_seconds", ()), seconds)
+        self._updates.increment(("personaplex_tick_frames_total", ()), frames)
 
     def frame_answered(self, latency_s: float) -> None:
         self._updates.increment(("personaplex_frames_total", ()))

@@ -1,0 +1,162 @@
+"""What each tick carries and when it starts: the engine's scheduler, apart from the stage's
+step (ticker.py) and from the answers (outbox.py, answers.py), as in vLLM's engine.
+
+`schedule()` returns a `TickPlan`: each waiting conversation's next frame, packed (the stage
+runs exactly those rows: a compact tick, lm/slot_states.py). A tick starts as soon as a frame
+waits: in the H200's tick model (shared/tools/tick_sim.py) such ticks regulate themselves (a
+longer tick lets more frames gather for the next, so batches grow with load), and waiting for
+deadlines added latency and gained nothing. A stage whose frames arrive one response at a
+time from the other stage's tick (code2wav) can gather: its tick waits until no frame has
+come for `gather_quiet_s`, at most `gather_max_s` after the oldest, so one talker tick makes
+one decoder tick, not several fragments.
+
+`record()` takes each tick's frames and duration: frames per tick, ticks per second and the
+busy fraction (the stage's time in ticks over wall time), and a linear tick-cost model
+(`TickModel`) from which `admission_error` refuses a newcomer that would make the live
+conversations late.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .conversations import ConversationTable
+
+FRAME_S = 0.08          # a frame of audio: one conversation's frames arrive this often
+WINDOW_S = 5.0          # the span the tick statistics are taken over
+MODEL_TICKS = 256       # ticks the cost model is fitted on
+MODEL_MIN_TICKS = 32    # fewer: no admission by time yet (nothing measured)
+MEMORY_FULL_S = 30.0    # after a tick ran out of GPU memory, newcomers are refused this long
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    """What one tick carries: slot -> (conversation, request, item, queued at), in row order."""
+
+    items: dict
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass(frozen=True)
+class TickStats:
+    """The last WINDOW_S of ticks: how many a second, frames each (mean), time in ticks."""
+
+    ticks_per_s: float
+    frames_per_tick: float
+    busy_fraction: float
+
+
+class TickModel:
+    """A tick's cost as measured: seconds = fixed + per_frame * frames, least squares over the
+    last MODEL_TICKS ticks (the fixed part is the weight read, the per-frame part the rows'
+    attention and sampling, which grow with their contexts)."""
+
+    def __init__(self):
+        self._ticks: deque[tuple[int, float]] = deque(maxlen=MODEL_TICKS)
+
+    def add(self, frames: int, seconds: float) -> None:
+        self._ticks.append((frames, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_frame) seconds, or None until enough ticks of different sizes."""
+        n = len(self._ticks)
+        if n < MODEL_MIN_TICKS:
+            return None
+        mean_k = sum(k for k, _ in self._ticks) / n
+        mean_t = sum(t for _, t in self._ticks) / n
+        spread = sum((k - mean_k) ** 2 for k, _ in self._ticks)
+        if spread == 0:  # one tick size only: nothing known of the per-frame part yet
+            return mean_t, 0.0
+        per_frame = max(sum((k - mean_k) * (t - mean_t) for k, t in self._ticks) / spread, 0.0)
+        return max(mean_t - per_frame * mean_k, 0.0), per_frame
+
+    def steady_tick_s(self, conversations: int) -> float | None:
+        """The tick length at which `conversations` paced conversations settle, ticking back to
+        back (each tick carries the frames that came during the last: k = n * T / FRAME_S, so
+        T = fixed / (1 - n * per_frame / FRAME_S)); inf where they cannot keep up, None while
+        nothing is measured."""
+        fitted = self.fit()
+        if fitted is None:
+            return None
+        fixed, per_frame = fitted
+        load = conversations * per_frame / FRAME_S
+        return float("inf") if load >= 1 else fixed / (1 - load)
+
+
+class Scheduler:
+    def __init__(self, table: ConversationTable, gather_quiet_s: float = 0.0, gather_max_s: float = 0.0,
+                 admission_tick_s: float = 0.0, clock=time.time):
+        """`gather_quiet_s`, `gather_max_s`: how a tick gathers frames (the module docstring;
+        0: it starts as soon as one waits). `admission_tick_s`: a new conversation is refused
+        when the tick model says the live ones and it would settle at ticks longer than this
+        (a frame waits up to one tick and is answered at the end of the next: about two
+        ticks); 0: no admission by time. `clock`: the wall clock, which the queue's items are
+        stamped with (for the frame trace)."""
+        self._table = table
+        self.gather_quiet_s = gather_quiet_s
+        self.gather_max_s = gather_max_s
+        self.admission_tick_s = admission_tick_s
+        self._clock = clock
+        self._ticks: deque[tuple[float, int, float]] = deque()  # (ended at, frames, seconds)
+        self.model = TickModel()
+        self._memory_full_at: float | None = None
+
+    # -- what a tick carries, and when ------------------------------------------------------
+    def due_in(self) -> float | None:
+        """Seconds until the next tick is due: 0 now, None while no frame waits."""
+        now = self._clock()
+        queued = [conv.queue for conv in self._table.live() if conv.queue]
+        if not queued:
+            return None
+        if self.gather_max_s <= 0:
+            return 0.0
+        oldest = min(queue[0][2] for queue in queued)
+        newest = max(queue[-1][2] for queue in queued)
+        return max(0.0, min(oldest + self.gather_max_s, newest + self.gather_quiet_s) - now)
+
+    def schedule(self) -> TickPlan | None:
+        """The next tick, if one is due: every waiting conversation's next frame."""
+        due = self.due_in()
+        if due is None or due > 0:
+            return None
+        return TickPlan({c.slot: (c, *c.queue.popleft()) for c in self._table.live() if c.queue})
+
+    # -- what ticks cost ----------------------------------------------------------------------
+    def record(self, plan: TickPlan, seconds: float) -> None:
+        """A tick of `plan` took `seconds`."""
+        now = self._clock()
+        self._ticks.append((now, len(plan), seconds))
+        while self._ticks and self._ticks[0][0] < now - WINDOW_S:
+            self._ticks.popleft()
+        self.model.add(len(plan), seconds)
+
+    def stats(self) -> TickStats:
+        ticks = list(self._ticks)
+        if not ticks:
+            return TickStats(0.0, 0.0, 0.0)
+        span = max(min(WINDOW_S, self._clock() - ticks[0][0] + ticks[0][2]), 1e-9)
+        return TickStats(len(ticks) / span, sum(k for _, k, _ in ticks) / len(ticks),
+                         min(sum(t for _, _, t in ticks) / span, 1.0))
+
+    def out_of_memory(self) -> None:
+        """A tick ran out of GPU memory: newcomers are refused for MEMORY_FULL_S."""
+        self._memory_full_at = self._clock()
+
+    def admission_error(self, live: int) -> str | None:
+        """Why one more conversation beside `live` would make them late (or could not be held),
+        or None."""
+        if self._memory_full_at is not None and self._clock() - self._memory_full_at < MEMORY_FULL_S:
+            return (f"at capacity: a tick ran out of GPU memory {self._clock() - self._memory_full_at:.0f} s ago "
+                    f"with {live} live conversations")
+        if self.admission_tick_s <= 0:
+            return None
+        tick = self.model.steady_tick_s(live + 1)
+        if tick is None or tick <= self.admission_tick_s:
+            return None
+        settles = "cannot keep up" if tick == float("inf") else f"would settle at {tick * 1e3:.0f} ms ticks"
+        return (f"at capacity: {live} live conversations and one more {settles} "
+                f"(the limit is {self.admission_tick_s * 1e3:.0f} ms, to answer every frame in real time)")

@@ -1,0 +1,122 @@
+"""The engine's scheduler: what a tick carries and when it starts, the tick statistics, the tick
+cost model and admission by time (no stage, no server)."""
+
+import pytest
+
+from personaplex_triton.engine.conversations import ConversationTable, Request
+from personaplex_triton.engine.scheduler import FRAME_S, MEMORY_FULL_S, MODEL_MIN_TICKS, Scheduler, TickModel, TickPlan
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def table_with(conversations: int) -> ConversationTable:
+    table = ConversationTable(conversations)
+    for key in range(conversations):
+        table.admit(key, None, restart=False)
+    table.take_starting()
+    return table
+
+
+def queue(table, key, clock, frames=1):
+    """Queue `frames` items of conversation `key`, stamped now."""
+    conv = table.conversation(key)
+    before = len(conv.queue)
+    table.enqueue(conv, Request(list(range(frames)), None, None), close=False, first_index=None)
+    for i in range(before, len(conv.queue)):  # the table stamps the wall clock: this test's instead
+        request, item, _ = conv.queue[i]
+        conv.queue[i] = (request, item, clock())
+
+
+def test_a_tick_carries_each_waiting_conversations_next_frame_at_once():
+    clock = Clock()
+    table = table_with(4)
+    scheduler = Scheduler(table, clock=clock)
+    assert scheduler.due_in() is None and scheduler.schedule() is None
+    queue(table, 0, clock, frames=2)
+    queue(table, 2, clock)
+    assert scheduler.due_in() == 0
+    plan = scheduler.schedule()
+    assert sorted(plan.items) == [0, 2]
+    assert [item for _, _, item, _ in plan.items.values()] == [0, 0]
+    assert sorted(scheduler.schedule().items) == [0]  # the second frame, next tick
+    assert scheduler.schedule() is None
+
+
+def test_a_gathering_tick_waits_for_a_quiet_gap_at_most_its_bound():
+    clock = Clock()
+    table = table_with(3)
+    scheduler = Scheduler(table, gather_quiet_s=0.001, gather_max_s=0.003, clock=clock)
+    queue(table, 0, clock)
+    assert scheduler.due_in() == pytest.approx(0.001)
+    assert scheduler.schedule() is None
+    clock.now += 0.0008
+    queue(table, 1, clock)  # the burst goes on: the quiet gap starts again
+    assert scheduler.due_in() == pytest.approx(0.001)
+    clock.now += 0.0011
+    assert sorted(scheduler.schedule().items) == [0, 1]
+    for _ in range(10):  # a steady trickle: the oldest frame waits no longer than gather_max_s
+        queue(table, 2, clock)
+        clock.now += 0.0005
+    assert scheduler.due_in() == 0
+
+
+def test_statistics_over_the_recent_ticks():
+    clock = Clock()
+    scheduler = Scheduler(table_with(1), clock=clock)
+    for frames in (10, 20, 30, 20):
+        clock.now += 0.08
+        scheduler.record(TickPlan(dict.fromkeys(range(frames))), 0.04)
+    stats = scheduler.stats()
+    assert stats.frames_per_tick == 20
+    assert stats.ticks_per_s == pytest.approx(4 / (3 * 0.08 + 0.04))
+    assert stats.busy_fraction == pytest.approx(0.16 / (3 * 0.08 + 0.04))
+
+
+def test_the_tick_model_fits_fixed_and_per_frame_cost():
+    model = TickModel()
+    assert model.fit() is None and model.steady_tick_s(10) is None
+    for i in range(MODEL_MIN_TICKS):
+        frames = 1 + i % 8
+        model.add(frames, 0.012 + 0.0005 * frames)
+    fixed, per_frame = model.fit()
+    assert fixed == pytest.approx(0.012) and per_frame == pytest.approx(0.0005)
+    n = 64
+    assert model.steady_tick_s(n) == pytest.approx(0.012 / (1 - n * 0.0005 / FRAME_S))
+    assert model.steady_tick_s(200) == float("inf")
+
+
+def test_one_tick_size_only_tells_no_per_frame_cost():
+    model = TickModel()
+    for _ in range(MODEL_MIN_TICKS):
+        model.add(1, 0.012)
+    assert model.fit() == pytest.approx((0.012, 0.0))
+
+
+def test_admission_refuses_a_conversation_that_would_make_the_live_ones_late():
+    clock = Clock()
+    scheduler = Scheduler(table_with(1), admission_tick_s=0.03, clock=clock)
+    assert scheduler.admission_error(100) is None  # nothing measured yet
+    for i in range(MODEL_MIN_TICKS):
+        frames = 8 + i % 16
+        scheduler.record(TickPlan(dict.fromkeys(range(frames))), 0.012 + 0.0005 * frames)
+    # steady tick 12 / (1 - n * 0.5 / 80) ms: 30 ms at n = 96
+    assert scheduler.admission_error(94) is None
+    error = scheduler.admission_error(100)
+    assert error.startswith("at capacity: 100 live conversations") and "30 ms" in error
+    assert "cannot keep up" in scheduler.admission_error(200)
+    assert Scheduler(table_with(1), clock=clock).admission_error(200) is None  # off by default
+
+
+def test_a_tick_out_of_gpu_memory_refuses_newcomers_for_a_while():
+    clock = Clock()
+    scheduler = Scheduler(table_with(1), clock=clock)
+    scheduler.out_of_memory()
+    assert scheduler.admission_error(5).startswith("at capacity: a tick ran out of GPU memory")
+    clock.now += MEMORY_FULL_S + 1
+    assert scheduler.admission_error(5) is None

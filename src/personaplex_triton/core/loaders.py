@@ -101,6 +101,10 @@ GPU_RESERVED_BYTES = 8 << 30
 CODE2WAV_GATHER_QUIET_S = 0.0005
 CODE2WAV_GATHER_MAX_S = 0.002
 GPU_ADMISSION_TICK_S = 0.032
+# A tick's thread gives up the GIL while it waits for the GPU; the stub's send and request
+# threads take it, and Python makes a thread that wants it back wait up to the switch interval
+# (5 ms by default) for the holder to let go, at each of the tick's waits.
+GPU_GIL_SWITCH_S = 0.0005
 
 # Threads of a stage's process on a CPU. PyTorch's intra-op threads: 1. The LM's ops are small,
 # and an OpenMP team whose cores are shared (the other stage's process, Triton, anything else)

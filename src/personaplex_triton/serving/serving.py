@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+import sys
 from typing import Callable
 
 import numpy as np
@@ -55,10 +56,14 @@ def pick_device(configured: str = "auto", gpu_index: int | None = None) -> str:
 
 
 def use_device_threads(device: str) -> None:
-    """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why)."""
+    """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
+    On a GPU, how long a thread that wants the GIL waits for another to give it up
+    (loaders.GPU_GIL_SWITCH_S: why)."""
     import torch
 
-    if not device.startswith("cuda"):
+    if device.startswith("cuda"):
+        sys.setswitchinterval(loaders.GPU_GIL_SWITCH_S)
+    else:
         torch.set_num_threads(loaders.CPU_TORCH_THREADS)
 
 

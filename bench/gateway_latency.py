@@ -1,15 +1,19 @@
 """The WebSocket gateway's added latency per frame, paced: N conversations of samples/user.wav,
-one 80 ms frame every 80 ms each, straight to Triton over gRPC and through the gateway's
-/v1/realtime, taking turns, against one server on the generated checkpoint.
+one 80 ms frame every 80 ms each, through a fresh gateway on each of its protocols
+(/v1/realtime: one PCM16 frame an append; /api/chat: one Ogg/Opus piece a frame) and straight
+to Triton over gRPC for reference, taking turns, against one server on the generated checkpoint.
 
-Two measures of what the gateway adds. End to end: each frame's latency (sent to answered)
-through the gateway less straight to Triton, at the same percentile. Its own time: what the
-gateway records per frame (GET /stats), from the client's message to its hand-over to the
-gRPC stream (inbound) and from Triton's answer to its send on the socket (outbound). Frames
-lost: sent less answered. The target (issue 26): at most 2 ms a frame, none lost.
+What the gateway adds, two ways, both from the same run's frames. End to end: a frame's latency
+as its client sees it (sent to answered) less the gateway's own round trip to Triton for the
+frames of that run (hand-over to the stream to the answer, GET /stats), at the same percentile:
+the socket hops, decoding and encoding, and the gateway's scheduling; the server's own time and
+its variance cancel. Its own time: what the gateway records per frame, from the client's
+message to the frame's hand-over (inbound) and from Triton's answer to its send on the socket
+(outbound). Frames lost: sent less answered. The target (issue 26): at most 2 ms a frame, none
+lost.
 
     python -m bench.gateway_latency                          # 1 and 16 conversations, 10 s, 2 rounds
-    python -m bench.gateway_latency --conversations 1 4 --seconds 5 --rounds 1
+    python -m bench.gateway_latency --conversations 1 4 --seconds 5 --rounds 1 --protocols realtime
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import sphn
 
 from personaplex_stream import Persona, stream_conversation
 from personaplex_stream.audio import read_wav
@@ -102,7 +107,7 @@ def direct_run(url: str, audio: np.ndarray, n: int) -> list:
     return results
 
 
-async def gateway_conversation(base: str, audio: np.ndarray, k: int, n: int) -> dict:
+async def realtime_conversation(base: str, audio: np.ndarray, k: int, n: int) -> dict:
     """One paced /v1/realtime conversation, one frame an append: each frame's send-to-answer latency."""
     await asyncio.sleep(k * FRAME_S / n)
     frames = len(audio) // FRAME
@@ -126,12 +131,13 @@ async def gateway_conversation(base: str, audio: np.ndarray, k: int, n: int) -> 
             async with asyncio.timeout(5 * len(audio) / contract.SAMPLE_RATE + 30):  # an overloaded server falls behind
                 while len(latencies) < frames:
                     message = await ws.receive()
+                    received = time.perf_counter()  # before this client's own decoding
                     if message.type != aiohttp.WSMsgType.TEXT:
                         errors.append(f"socket closed: {message.extra}")
                         break
                     event = json.loads(message.data)
                     if event["type"] == "response.output_audio.delta":
-                        latencies.append((time.perf_counter() - sent_at[len(latencies)]) * 1e3)
+                        latencies.append((received - sent_at[len(latencies)]) * 1e3)
                     elif event["type"] == "error":
                         errors.append(event["error"]["message"])
                         break
@@ -141,8 +147,54 @@ async def gateway_conversation(base: str, audio: np.ndarray, k: int, n: int) -> 
     return {"sent": frames, "answered": len(latencies), "latencies_ms": latencies, **({"error": errors} if errors else {})}
 
 
-async def gateway_run(base: str, audio: np.ndarray, n: int) -> list:
-    return list(await asyncio.gather(*(gateway_conversation(base, audio, k, n) for k in range(n))))
+async def chat_conversation(base: str, audio: np.ndarray, k: int, n: int) -> dict:
+    """One paced /api/chat conversation, one Ogg/Opus piece a frame: frame i is answered when the
+    agent's decoded audio reaches its end."""
+    await asyncio.sleep(k * FRAME_S / n)
+    frames = len(audio) // FRAME
+    writer, reader = sphn.OpusStreamWriter(contract.SAMPLE_RATE), sphn.OpusStreamReader(contract.SAMPLE_RATE)
+    sent_at, latencies, errors, decoded = [], [], [], 0
+    url = base.replace("http", "ws") + f"/api/chat?voice_prompt={VOICE}.pt&text_prompt=&seed={k}"
+    async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
+        if (await ws.receive(timeout=60)).data != b"\x00":
+            raise RuntimeError("no handshake from /api/chat")
+        start = time.perf_counter()
+
+        async def send():
+            for i in range(frames):
+                await asyncio.sleep(max(0.0, start + i * FRAME_S - time.perf_counter()))
+                ogg = bytes(writer.append_pcm(audio[i * FRAME:(i + 1) * FRAME]))
+                sent_at.append(time.perf_counter())
+                if ogg:
+                    await ws.send_bytes(b"\x01" + ogg)
+
+        sender = asyncio.ensure_future(send())
+        try:
+            async with asyncio.timeout(5 * len(audio) / contract.SAMPLE_RATE + 30):
+                while len(latencies) < frames:
+                    message = await ws.receive()
+                    received = time.perf_counter()  # before this client's own decoding
+                    if message.type != aiohttp.WSMsgType.BINARY:
+                        errors.append(f"socket closed: {message.extra}")
+                        break
+                    if message.data[:1] == b"\x05":
+                        errors.append(message.data[1:].decode())
+                        break
+                    if message.data[:1] == b"\x01":
+                        decoded += np.size(reader.append_bytes(message.data[1:]))
+                        while len(latencies) < min(decoded // FRAME, len(sent_at)):
+                            latencies.append((received - sent_at[len(latencies)]) * 1e3)
+        except TimeoutError:
+            errors.append("no answer within the run's time")
+        await sender
+    return {"sent": frames, "answered": len(latencies), "latencies_ms": latencies, **({"error": errors} if errors else {})}
+
+
+CLIENTS = {"realtime": realtime_conversation, "chat": chat_conversation}
+
+
+async def gateway_run(base: str, audio: np.ndarray, n: int, protocol: str) -> list:
+    return list(await asyncio.gather(*(CLIENTS[protocol](base, audio, k, n) for k in range(n))))
 
 
 def summarize(conversations: list) -> dict:
@@ -153,28 +205,38 @@ def summarize(conversations: list) -> dict:
                                                           else c.get("error", []))]}
 
 
-def level(url: str, audio: np.ndarray, n: int, rounds: int, log) -> dict:
+def level(url: str, audio: np.ndarray, n: int, rounds: int, protocols: list, log) -> dict:
     runs = []
     for r in range(rounds):
-        direct = summarize(direct_run(url, audio, n))
-        log(f"[{n}] round {r + 1} direct: p50 {direct['p50']} p99 {direct['p99']} ms, lost {direct['lost']}")
-        with gateway(url, n) as base:
-            through = summarize(asyncio.run(gateway_run(base, audio, n)))
-            with urllib.request.urlopen(base + "/stats", timeout=5) as reply:
-                own = json.loads(reply.read())
-        log(f"[{n}] round {r + 1} gateway: p50 {through['p50']} p99 {through['p99']} ms, lost {through['lost']}; "
-            f"its own time in {own['inbound_ms']} out {own['outbound_ms']}")
-        runs.append({"direct": direct, "gateway": through, "gateway_own": own})
-    added = {q: round(float(np.median([run["gateway"][q] - run["direct"][q] for run in runs])), 1)
-             for q in ("p50", "p95", "p99")}
-    own_p50 = float(np.median([run["gateway_own"]["inbound_ms"]["p50"] + run["gateway_own"]["outbound_ms"]["p50"]
-                               for run in runs]))
-    own_p99 = float(np.median([run["gateway_own"]["inbound_ms"]["p99"] + run["gateway_own"]["outbound_ms"]["p99"]
-                               for run in runs]))
-    lost = sum(run["gateway"]["lost"] for run in runs)
-    return {"conversations": n, "runs": runs, "added_end_to_end_ms": added,
-            "own_ms_per_frame": {"p50": round(own_p50, 3), "p99": round(own_p99, 3)}, "gateway_frames_lost": lost,
-            "meets_target": own_p50 <= TARGET_MS and lost == 0}
+        run = {"direct": summarize(direct_run(url, audio, n))}
+        log(f"[{n}] round {r + 1} direct: p50 {run['direct']['p50']} p99 {run['direct']['p99']} ms, "
+            f"lost {run['direct']['lost']}")
+        for protocol in protocols:
+            with gateway(url, n) as base:
+                through = summarize(asyncio.run(gateway_run(base, audio, n, protocol)))
+                with urllib.request.urlopen(base + "/stats", timeout=5) as reply:
+                    own = json.loads(reply.read())
+            through["added_ms"] = {q: round(through[q] - own["triton_ms"][q], 2) for q in ("p50", "p95", "p99")}
+            log(f"[{n}] round {r + 1} {protocol}: p50 {through['p50']} p99 {through['p99']} ms, lost {through['lost']}, "
+                f"added {through['added_ms']}; its own time in {own['inbound_ms']} out {own['outbound_ms']}")
+            run[protocol] = {"client": through, "gateway_own": own}
+        runs.append(run)
+    row = {"conversations": n, "runs": runs}
+    for protocol in protocols:
+        ours = [run[protocol] for run in runs]
+        median = lambda values: round(float(np.median(values)), 3)  # noqa: E731
+        own = {q: median([o["gateway_own"]["inbound_ms"][q] + o["gateway_own"]["outbound_ms"][q] for o in ours])
+               for q in ("p50", "p99")}
+        added = {q: median([o["client"]["added_ms"][q] for o in ours]) for q in ("p50", "p95", "p99")}
+        lost = sum(o["client"]["lost"] for o in ours)
+        row[protocol] = {"own_ms_per_frame": own, "added_end_to_end_ms": added, "frames_lost": lost,
+                         "frames": sum(o["client"]["frames"] for o in ours),
+                         "late": sum(o["client"]["late"] for o in ours),
+                         "client_ms": {q: median([o["client"][q] for o in ours]) for q in ("p50", "p99")},
+                         "triton_ms": {q: median([o["gateway_own"]["triton_ms"][q] for o in ours]) for q in ("p50", "p99")},
+                         "meets_target": added["p50"] <= TARGET_MS and lost == 0}
+    row["direct_ms"] = {q: round(float(np.median([run["direct"][q] for run in runs])), 1) for q in ("p50", "p99")}
+    return row
 
 
 def markdown(result: dict, plot_name: str) -> str:
@@ -185,25 +247,25 @@ def markdown(result: dict, plot_name: str) -> str:
              f"- Load average (1 min) at start {h['load_average_start']}, at end {h['load_average_end']}",
              f"- Server: tritonserver on the generated checkpoint, the talker with {h['slots']} slots; voice {VOICE} "
              f"(prefilled at load); {h['seconds']} s of samples/user.wav per conversation, one frame every 80 ms, "
-             f"conversations started 80/N ms apart; {h['rounds']} round(s) a level, straight to Triton then through "
-             "a fresh gateway process (/v1/realtime, one frame an append).",
-             "- Gateway's own time: per frame, inbound (client message received -> handed to the gRPC stream) plus "
-             "outbound (Triton's answer -> sent on the socket), p50 and p99 of each summed, median over rounds. "
-             "Added end to end: the latency through the gateway less straight to Triton at the same percentile, "
-             "median over rounds (includes the run-to-run noise of the server).", "",
-             "| conversations | frames | gateway's own p50 / p99 (ms) | added end to end p50 / p95 / p99 (ms) "
-             "| direct p50 / p99 (ms) | via gateway p50 / p99 (ms) | late via gateway | frames lost | target met |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"conversations started 80/N ms apart; {h['rounds']} round(s) a level: straight to Triton, then "
+             "through a fresh gateway process on each protocol (/v1/realtime: one PCM16 frame an append; "
+             "/api/chat: one Ogg/Opus piece a frame).",
+             "- Added end to end: the frame latency the client saw less the gateway's own round trip to Triton "
+             "(hand-over to answer) over the same run's frames, at the same percentile. The gateway's own time: "
+             "inbound (message received -> frame handed to the stream) plus outbound (answer -> sent on the "
+             "socket), p50 and p99 of each summed. Figures are medians over the rounds.", "",
+             "| conversations | protocol | frames | added end to end p50 / p95 / p99 (ms) | gateway's own p50 / p99 "
+             "(ms) | client sees p50 / p99 (ms) | gateway to Triton p50 / p99 (ms) | straight to Triton p50 / p99 "
+             "(ms) | late (> 80 ms) | frames lost | target met |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in result["levels"]:
-        direct = [r["direct"] for r in row["runs"]]
-        via = [r["gateway"] for r in row["runs"]]
-        med = lambda rows, q: round(float(np.median([x[q] for x in rows])), 1)  # noqa: E731
-        a = row["added_end_to_end_ms"]
-        lines.append(f"| {row['conversations']} | {sum(v['frames'] for v in via)} | "
-                     f"{row['own_ms_per_frame']['p50']} / {row['own_ms_per_frame']['p99']} | "
-                     f"{a['p50']} / {a['p95']} / {a['p99']} | {med(direct, 'p50')} / {med(direct, 'p99')} | "
-                     f"{med(via, 'p50')} / {med(via, 'p99')} | {sum(v['late'] for v in via)} | "
-                     f"{row['gateway_frames_lost']} | {'yes' if row['meets_target'] else 'no'} |")
+        for protocol in h["protocols"]:
+            p = row[protocol]
+            a, own, c, t, d = p["added_end_to_end_ms"], p["own_ms_per_frame"], p["client_ms"], p["triton_ms"], row["direct_ms"]
+            lines.append(f"| {row['conversations']} | {protocol} | {p['frames']} | {a['p50']} / {a['p95']} / {a['p99']} | "
+                         f"{own['p50']} / {own['p99']} | {c['p50']} / {c['p99']} | {t['p50']} / {t['p99']} | "
+                         f"{d['p50']} / {d['p99']} | {p['late']} | {p['frames_lost']} | "
+                         f"{'yes' if p['meets_target'] else 'no'} |")
     lines += ["", f"![latency]({plot_name})", ""]
     return "\n".join(lines)
 
@@ -214,32 +276,27 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = result["levels"]
-    names = [str(row["conversations"]) for row in levels]
+    levels, protocols = result["levels"], result["header"]["protocols"]
     x = np.arange(len(levels))
+    width = 0.8 / len(protocols)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for offset, (key, label) in zip((-0.2, 0.2), (("direct", "straight to Triton"), ("gateway", "through the gateway"))):
-        p50 = [np.median([r[key]["p50"] for r in row["runs"]]) for row in levels]
-        p99 = [np.median([r[key]["p99"] for r in row["runs"]]) for row in levels]
-        left.bar(x + offset, p50, 0.4, label=f"{label}, p50")
-        left.scatter(x + offset, p99, marker="_", s=400, color="black")
-    left.axhline(80, color="grey", ls=":", lw=1)
-    left.set(xticks=x, xticklabels=names, xlabel="conversations", ylabel="frame latency, ms (bar p50, dash p99)",
-             title="Frame latency, paced")
-    left.legend(fontsize=8)
-    inbound = [np.median([r["gateway_own"]["inbound_ms"]["p50"] for r in row["runs"]]) for row in levels]
-    outbound = [np.median([r["gateway_own"]["outbound_ms"]["p50"] for r in row["runs"]]) for row in levels]
-    right.bar(x, inbound, 0.5, label="inbound p50")
-    right.bar(x, outbound, 0.5, bottom=inbound, label="outbound p50")
-    right.scatter(x, [row["own_ms_per_frame"]["p99"] for row in levels], marker="_", s=400, color="black",
-                  label="in + out p99")
-    right.axhline(TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:g} ms")
-    right.set(xticks=x, xticklabels=names, xlabel="conversations", ylabel="ms per frame",
-              title="The gateway's own time per frame")
-    right.legend(fontsize=8)
+    for j, protocol in enumerate(protocols):
+        offset = (j - (len(protocols) - 1) / 2) * width
+        for axis, key in ((left, "added_end_to_end_ms"), (right, "own_ms_per_frame")):
+            p50 = [row[protocol][key]["p50"] for row in levels]
+            p99 = [row[protocol][key]["p99"] for row in levels]
+            axis.bar(x + offset, p50, width, label=f"{protocol} p50")
+            axis.scatter(x + offset, p99, marker="_", s=300, color="black", label="p99" if j == 0 else None)
+    for axis, title in ((left, "Added end to end: the client's latency less the gateway's to Triton"),
+                        (right, "The gateway's own time (inbound + outbound)")):
+        axis.axhline(TARGET_MS, color="red", ls="--", lw=1, label=f"target {TARGET_MS:g} ms")
+        axis.set(xticks=x, xticklabels=[str(row["conversations"]) for row in levels], xlabel="conversations",
+                 ylabel="ms per frame", title=title)
+        axis.title.set_fontsize(9)
+        axis.legend(fontsize=8)
     h = result["header"]
-    fig.suptitle(f"Gateway latency: {h['machine']['cpu']}, {h['machine']['cores']} cores, {h['date'][:16]} UTC, "
-                 f"{h['commit']}", fontsize=9)
+    fig.suptitle(f"Gateway latency per frame, paced: {h['machine']['cpu']}, {h['machine']['cores']} cores, "
+                 f"{h['date'][:16]} UTC, {h['commit']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -249,7 +306,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--conversations", type=int, nargs="+", default=[1, 16])
     p.add_argument("--seconds", type=float, default=10.0, help="user audio per conversation")
-    p.add_argument("--rounds", type=int, default=2, help="turns of (direct, gateway) per level")
+    p.add_argument("--rounds", type=int, default=2, help="turns of (direct, each protocol) per level")
+    p.add_argument("--protocols", nargs="+", choices=sorted(CLIENTS), default=["realtime", "chat"])
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     p.add_argument("--name", help="the results' stem after the date (default: the machine's slug-gateway-latency)")
     report.add_commit_argument(p)
@@ -272,16 +330,16 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         with TritonServer(bench_repository(Path(tmp), slots), log_path=Path(tmp) / "tritonserver.log") as server:
             log(f"server ready in {server.ready_s:.1f} s with {slots} talker slots")
-            levels = [level(server.grpc_url, audio, n, args.rounds, log) for n in args.conversations]
+            levels = [level(server.grpc_url, audio, n, args.rounds, args.protocols, log) for n in args.conversations]
     command = "python -m bench.gateway_latency " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"header": {"command": command.strip(), "machine": machine, "commit": args.commit or report.git_commit(),
                          "date": started.isoformat(timespec="seconds"), "load_average_start": load_start,
                          "load_average_end": round(os.getloadavg()[0], 2), "slots": slots, "seconds": args.seconds,
-                         "rounds": args.rounds, "target_ms": TARGET_MS},
+                         "rounds": args.rounds, "protocols": args.protocols, "target_ms": TARGET_MS},
               "levels": levels}
     stem = f"{started:%Y-%m-%d}-{args.name or machine['slug'] + '-gateway-latency'}"
     report.save(result, args.out, stem, markdown, plot)
-    return 0 if all(row["meets_target"] for row in levels) else 1
+    return 0 if all(row[p]["meets_target"] for row in levels for p in args.protocols) else 1
 
 
 if __name__ == "__main__":

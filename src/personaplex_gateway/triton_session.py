@@ -87,24 +87,27 @@ class FrameTimings:
     """Time the gateway itself spends on frames, kept for the last `keep` frames: `inbound_ms`
     from the client's message that completed a frame to its write on the stream (less any
     wait for its turn under pacing) to its hand-over to the gRPC stream, `outbound_ms` from
-    Triton's answer to its send on the socket."""
+    Triton's answer to its send on the socket; and, to tell the two apart from what a client
+    sees, `triton_ms` from a frame's hand-over to its answer."""
 
     def __init__(self, keep: int = 20_000):
         self.inbound_ms: deque = deque(maxlen=keep)
         self.outbound_ms: deque = deque(maxlen=keep)
+        self.triton_ms: deque = deque(maxlen=keep)
         self.frames_in = 0
         self.frames_out = 0
 
     def summary(self) -> dict:
         def pct(values) -> dict:
             if not values:
-                return {"p50": None, "p99": None, "max": None}
+                return {"p50": None, "p95": None, "p99": None, "max": None}
             arr = np.asarray(values, dtype=np.float64)
-            return {"p50": round(float(np.percentile(arr, 50)), 3), "p99": round(float(np.percentile(arr, 99)), 3),
+            return {**{f"p{q}": round(float(np.percentile(arr, q)), 3) for q in (50, 95, 99)},
                     "max": round(float(arr.max()), 3)}
 
         return {"frames_in": self.frames_in, "frames_out": self.frames_out,
-                "inbound_ms": pct(self.inbound_ms), "outbound_ms": pct(self.outbound_ms)}
+                "inbound_ms": pct(self.inbound_ms), "outbound_ms": pct(self.outbound_ms),
+                "triton_ms": pct(self.triton_ms)}
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class TritonSession:
         self._ready = asyncio.Event()
         self._closing = asyncio.Event()
         self._frames_fed = 0
+        self._handed_over: dict[int, float] = {}  # frame index -> when it went to the stream
         self._stream = None
         self._reader: asyncio.Task | None = None
         self._outputs = [grpcclient.InferRequestedOutput(name) for name in _OUTPUTS]
@@ -240,6 +244,7 @@ class TritonSession:
             turn = max(item.arrived_at, due)  # its arrival, or its turn where pacing (or the persona) held it
             self.timings.inbound_ms.append((time.perf_counter() - turn) * 1e3)
             self.timings.frames_in += 1
+            self._handed_over[item.index] = time.perf_counter()
             yield self._request(build_request_inputs(item.samples))
         empty = grpcclient.InferInput(contract.AUDIO_IN, [0], "FP32")
         empty.set_data_from_numpy(np.zeros(0, np.float32))
@@ -268,6 +273,9 @@ class TritonSession:
                     continue
                 pcm = result.as_numpy(contract.AUDIO_OUT)
                 answer = Answer(np.asarray(pcm, np.float32).reshape(-1), _text_of(result), index, now)
+                handed_over = self._handed_over.pop(index, None)
+                if handed_over is not None:
+                    self.timings.triton_ms.append((now - handed_over) * 1e3)
                 self._answers.put_nowait(answer)
                 index += 1
         except (grpc.aio.AioRpcError, InferenceServerException) as exc:

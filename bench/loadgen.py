@@ -3,108 +3,270 @@ schedule (as a live microphone does, whatever the server's pace), through the gR
 
 A frame's latency runs from its send to its answer, so a server slower than real time shows as
 latencies that grow along the conversation, not as a slower sender.
+
+Two ways to reach long contexts: conversations of that length (`--seconds 240`: 3,000 frames,
+PersonaPlex's context), or an aged start (`aged`): each conversation first streams that many
+frames as fast as the server takes them (real prefill through the served path, not paced, not
+measured), the level's conversations wait for each other, and then the paced part is measured.
+An aged level is labelled so; it does not stand for a conversation of that length (its
+context grew in a burst, with no paced traffic beside it).
+
+New personas during a level (`persona_every_s`): one of the level's seats is taken by a
+conversation after another, each `persona_every_s` long (less VISITOR_GAP_S), the first with
+the level's cached persona, every later one with a persona the server has not seen. The level
+so keeps its N conversations at once from start to end (the pool and the batch stay the same),
+the other N - 1 reach the full length, and each newcomer's prefill runs beside them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Callable
 
-import numpy as np
-
-from personaplex_stream import stream_conversation
+from personaplex_stream import Persona, new_sequence_id, stream_conversation
+from personaplex_stream.answers import AnswerCollector
+from personaplex_stream.connection import open_stream
+from personaplex_stream.contract import MODEL_NAME
+from personaplex_stream.pacing import RealtimePacing, WindowPacing
+from personaplex_stream.stream import _send_frames
 
 from personaplex_triton.core import trace
 
-from . import stats
+from . import stats, ticks, workload
 from .workload import new_persona, persona_for
 
 Log = Callable[[str], None]
-NEW_PERSONA_AFTER_S = 5.0  # a new persona joins conversations under way, past their own starts
+NEW_PERSONA_AFTER_S = 5.0  # --new-persona: the level's last conversation joins those under way, past their own starts
+VISITOR_GAP_S = 0.5  # a seat's conversation ends this long before the next one starts: the seat never holds two
+RESPONSE_TIMEOUT_S = 60.0  # a stall, not a conversation's length: a 5-minute conversation answers every 80 ms
+AGED_IN_FLIGHT = 8  # unanswered frames of an aged start's unpaced part
+WINDOW_S = 10.0  # the windows along a level's run (stats.windows)
 
 
-def conversations(url: str, frames: np.ndarray, n: int, log: Log, personas: list | None = None,
-                  tolerate_errors: bool = False, start_after_s: list[float] | None = None) -> list:
-    """n conversations of `frames` at once (seeds 0..n-1, or `personas`; conversation i starts
-    `start_after_s[i]` seconds after the first); their ConversationResults in order, or with
-    `tolerate_errors` the exception of each that failed (a server that refuses conversations
-    past its slots). The first conversation reports its progress every 25 frames."""
-    pcm = frames.reshape(-1)
-    personas = personas or [persona_for(i) for i in range(n)]
-    results: list = [None] * n
-    errors: list = []
-    started = time.monotonic()
+@dataclasses.dataclass(frozen=True)
+class Talk:
+    """One conversation of a level: its persona (`new`: one the server has not seen), when its
+    paced part starts (seconds after the level's start), its paced frames, and the frames it
+    streams unpaced first (an aged start)."""
+
+    persona: Persona
+    new: bool
+    start_s: float
+    frames: int
+    aged: int = 0
+
+
+def plan(n: int, frames: int, aged: int = 0, new_persona_last: bool = False,
+         persona_every_s: float | None = None, tag: str = "") -> list[Talk]:
+    """The conversations of a level of `n` at once, `frames` paced frames each (seeds 0..n-1,
+    the workload's persona), `aged` unpaced frames first. `new_persona_last`: at n > 1 the last
+    one has a new persona and starts NEW_PERSONA_AFTER_S late. `persona_every_s`: at n > 1 the
+    last seat is taken by one conversation after another (module docstring), new personas named
+    by `tag`. Newcomers start unaged: an unpaced burst beside the paced ones would be measured."""
+    if n < 1 or frames < 1 or aged < 0:
+        raise ValueError(f"a level needs a conversation and a frame: n {n}, frames {frames}, aged {aged}")
+    talks = [Talk(persona_for(i), False, 0.0, frames, aged) for i in range(n)]
+    if n == 1:
+        return talks
+    if persona_every_s is not None:
+        seconds = frames * stats.FRAME_MS / 1000
+        each = round((persona_every_s - VISITOR_GAP_S) * 1000 / stats.FRAME_MS)
+        if each < 1:
+            raise ValueError(f"a new persona every {persona_every_s:g} s leaves a newcomer no frame after the "
+                             f"{VISITOR_GAP_S:g} s gap between the seat's conversations")
+        arrivals = int(seconds // persona_every_s)
+        if arrivals < 2:
+            raise ValueError(f"a new persona every {persona_every_s:g} s: none would arrive within "
+                             f"{seconds:g} s conversations")
+        talks[-1:] = [Talk(new_persona(f"{tag}-{k}") if k else persona_for(n - 1), k > 0, k * persona_every_s, each)
+                      for k in range(arrivals)]
+    elif new_persona_last:
+        talks[-1] = Talk(new_persona(tag), True, NEW_PERSONA_AFTER_S, frames)
+    return talks
+
+
+class StartLine:
+    """Where a level's aged conversations wait for each other after their unpaced part, so that
+    none is measured while another still ages. Every paced part and every later start counts
+    from its release, `go` (wall clock); with none aging it is released when made."""
+
+    def __init__(self, aging: int):
+        self._released = threading.Condition()
+        self._waiting_for = aging
+        self.go = time.time() if aging == 0 else None
+
+    def arrive(self) -> None:
+        """An aged conversation is done with its unpaced part, or failed before: it holds no one back."""
+        with self._released:
+            self._waiting_for -= 1
+            if self._waiting_for == 0:
+                self.go = time.time()
+                self._released.notify_all()
+
+    def wait(self) -> float:
+        with self._released:
+            self._released.wait_for(lambda: self.go is not None)
+            return self.go
+
+
+class AgedPacing:
+    """The first `aged` frames as fast as the server answers them, then, once all are answered
+    and the start line released, one frame every 80 ms from the release on (the client's own
+    pacings, one after the other)."""
+
+    def __init__(self, answers: AnswerCollector, aged: int, arrive: Callable[[], None], start_line: StartLine):
+        self.answers, self.aged, self.arrive, self.start_line = answers, aged, arrive, start_line
+        self.unpaced = WindowPacing(answers, AGED_IN_FLIGHT)
+        self.paced: RealtimePacing | None = None
+        self.aged_s: float | None = None
+
+    def wait_for_turn(self, i: int) -> None:
+        if i < self.aged:
+            self.unpaced.wait_for_turn(i)
+            return
+        if self.paced is None:
+            self.answers.wait_until_answered(self.aged)
+            self.aged_s = time.perf_counter() - self.answers.first_send
+            self.arrive()
+            self.start_line.wait()
+            self.paced = RealtimePacing(self.answers)
+        self.paced.wait_for_turn(i - self.aged)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What became of one Talk: its ConversationResult (every frame, aged ones included), or the
+    exception it failed with; how long its unpaced part took."""
+
+    talk: Talk
+    result: object = None
+    error: Exception | None = None
+    aged_s: float | None = None
+
+    @property
+    def measured_latencies_ms(self) -> list[float]:
+        return self.result.latencies_ms[self.talk.aged:] if self.result else []
+
+    def measured_send_s(self, go: float) -> list[float]:
+        """The paced frames' send times, seconds after the level's start `go` (wall clock)."""
+        if not self.result:
+            return []
+        offsets = self.result.send_offsets_s[self.talk.aged:len(self.result.latencies_ms)]
+        return [self.result.started_at + offset - go for offset in offsets]
+
+
+def _aged_conversation(frames, url: str, talk: Talk, arrive, start_line: StartLine, on_frame) -> tuple:
+    """One aged conversation of `frames` ([count, 1920]) on one stream (stream_conversation's
+    steps, with AgedPacing): its ConversationResult and the unpaced part's seconds."""
+    sequence_id = new_sequence_id()
+    answers = AnswerCollector(frames.shape[0], url, MODEL_NAME, RESPONSE_TIMEOUT_S, on_frame)
+    with open_stream(url, MODEL_NAME, answers.callback, check_ready=False) as client:
+        pacing = AgedPacing(answers, talk.aged, arrive, start_line)
+        _send_frames(client, frames, talk.persona, MODEL_NAME, sequence_id, answers, pacing)
+        answers.wait_until_answered(frames.shape[0])
+    return answers.result(sequence_id), pacing.aged_s
+
+
+def conversations(url: str, talks: list[Talk], log: Log) -> tuple[list[Outcome], float]:
+    """Every talk of a level at once, each on its own thread and stream; their Outcomes in order
+    and the level's start (`go`, wall clock). The first conversation reports its progress."""
+    line = StartLine(sum(t.aged > 0 for t in talks))
+    outcomes = [Outcome(t) for t in talks]
+    clock = time.monotonic()
+    every = max(25, (talks[0].aged + talks[0].frames) // 10)
 
     def progress(frame):
-        if (frame.index + 1) % 25 == 0 or frame.index + 1 == frame.total:
+        if (frame.index + 1) % every == 0 or frame.index + 1 == frame.total:
             log(f"  {frame.index + 1}/{frame.total} frames of conversation 1 answered "
-                f"({time.monotonic() - started:.0f} s)")
+                f"({time.monotonic() - clock:.0f} s)")
 
-    def talk(i):
-        time.sleep(start_after_s[i] if start_after_s else 0.0)
+    def run(outcome: Outcome, on_frame):
+        talk, arrived = outcome.talk, []
+
+        def arrive():
+            arrived.append(True)
+            line.arrive()
+
+        audio = workload.frames(talk.aged + talk.frames)
         try:
-            results[i] = stream_conversation(pcm, url=url, persona=personas[i], realtime=True,
-                                             check_ready=False, on_frame=progress if i == 0 else None)
-        except Exception as exc:  # re-raised on the calling thread, naming the conversation
-            errors.append((i, exc))
-            results[i] = exc
+            if talk.aged:
+                outcome.result, outcome.aged_s = _aged_conversation(audio, url, talk, arrive, line, on_frame)
+            else:
+                time.sleep(max(0.0, line.wait() + talk.start_s - time.time()))
+                outcome.result = stream_conversation(audio.reshape(-1), url=url, persona=talk.persona, realtime=True,
+                                                     response_timeout_s=RESPONSE_TIMEOUT_S, check_ready=False,
+                                                     on_frame=on_frame)
+        except Exception as exc:  # reported in the level's row, naming the conversation
+            outcome.error = exc
+            if talk.aged and not arrived:
+                arrive()
 
-    threads = [threading.Thread(target=talk, args=(i,), daemon=True) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(o, progress if i == 0 else None), daemon=True)
+               for i, o in enumerate(outcomes)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if errors and not tolerate_errors:
-        i, exc = errors[0]
-        raise RuntimeError(f"conversation {i + 1} of {n} failed: {exc}") from exc
-    return results
+    return outcomes, line.wait()
 
 
-def load_row(n: int, results: list) -> dict:
-    """The figures of one load level: every frame of every conversation served, first audio per
-    conversation; conversations that failed (refused past the server's slots) are counted, and
-    a level with any is not real time."""
-    served = [r for r in results if not isinstance(r, Exception)]
-    failed = [str(r) for r in results if isinstance(r, Exception)]
-    latencies = [ms for r in served for ms in r.latencies_ms]
-    first = [r.first_audio_ms for r in served]
-    row = {"conversations": n, **stats.frame_summary(latencies),
-           "failed": len(failed), "failures": sorted(set(failed))[:3],
-           "first_audio_ms_p50": stats.percentiles(first, (50,))["p50"],
-           "first_audio_ms_max": round(max(first), 1) if first else None,
-           "frames_per_s": round(sum(r.frames_received for r in served) / max(r.wall_s for r in served), 2)
-           if served else 0.0,
-           "latencies_ms": [[round(ms, 1) for ms in r.latencies_ms] for r in served]}  # per conversation
-    row["real_time"] = row["real_time"] and not failed
+def load_row(n: int, outcomes: list[Outcome], go: float, pool: int | None = None) -> dict:
+    """The figures of one level of `n` conversations at once: its paced frames (p50 / p95 / p99,
+    late, over 160 ms), the verdict (stats.held, with `pool` the talker's slots), first audio of
+    the cached-persona starts and of the new personas apart, the frames over time (stats.windows),
+    and per conversation its persona, start, length, aged part and every paced frame's latency."""
+    served = [o for o in outcomes if o.error is None]
+    errors = [str(o.error) for o in outcomes if o.error is not None]
+    latencies = [ms for o in served for ms in o.measured_latencies_ms]
+    summary = stats.frame_summary(latencies)
+    cached = [o.result.first_audio_ms for o in served if not o.talk.new]
+    new = [o.result.first_audio_ms for o in served if o.talk.new]
+    end = max((o.result.started_at + o.result.wall_s for o in served), default=go)  # the last answer
+    row = {"conversations": n, "talks": len(outcomes), **summary,
+           **stats.held(summary, n, pool, errors),
+           "failed": len(errors), "failures": sorted(set(errors))[:3],
+           "first_audio_ms_p50": stats.percentiles(cached, (50,))["p50"],
+           "first_audio_ms_max": round(max(cached), 1) if cached else None,
+           "new_persona_starts": sum(o.talk.new for o in outcomes),
+           "first_audio_ms_new_persona_p50": stats.percentiles(new, (50,))["p50"],
+           "first_audio_ms_new_persona_max": round(max(new), 1) if new else None,
+           "frames_per_s": round(len(latencies) / (end - go), 2) if end > go else 0.0,  # paced frames
+           "windows": stats.windows([s for o in served for s in o.measured_send_s(go)], latencies, WINDOW_S),
+           "per_conversation": [{"persona": "new" if o.talk.new else "cached", "start_s": o.talk.start_s,
+                                 "seconds": round(o.talk.frames * stats.FRAME_MS / 1000, 2),
+                                 "aged_frames": o.talk.aged,
+                                 "aged_s": None if o.aged_s is None else round(o.aged_s, 2),
+                                 "first_audio_ms": round(o.result.first_audio_ms, 1) if o.result else None,
+                                 "error": None if o.error is None else str(o.error)} for o in outcomes],
+           "latencies_ms": [[round(ms, 1) for ms in o.measured_latencies_ms] for o in outcomes]}
+    row["real_time"] = summary["real_time"] and not errors
     return row
 
 
-def sweep(url: str, frames: np.ndarray, levels: list[int], log: Log, new_personas: bool = False,
+def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
+          persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
           trace_dir=None, gpu_memory=None) -> list[dict]:
-    """Each level in turn. `new_personas`: at each level above 1 the last conversation has a
-    persona the server has not seen and starts NEW_PERSONA_AFTER_S after the others, while they
-    talk (its first audio is reported apart). `trace_dir`: the
-    server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's frames are
-    followed through the stages. `gpu_memory()`: GiB in use, sampled at the end of each level."""
+    """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
+    `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
+    frames are followed through the stages, and each stage's ticks over the level's paced part
+    counted (bench.ticks). `gpu_memory()`: GiB in use, sampled at the end of each level."""
     rows = []
     for n in levels:
-        log(f"[load] {n} conversation(s), {len(frames)} frames each, one every 80 ms")
-        personas, start_after_s = [persona_for(i) for i in range(n)], [0.0] * n
-        if new_personas and n > 1:
-            personas[-1] = new_persona(f"{n}-{time.time_ns()}")
-            start_after_s[-1] = NEW_PERSONA_AFTER_S
-        results = conversations(url, frames, n, log, personas, tolerate_errors=True, start_after_s=start_after_s)
-        row = load_row(n, results)
-        if new_personas and n > 1 and not isinstance(results[-1], Exception):
-            row["first_audio_ms_new_persona"] = round(results[-1].first_audio_ms, 1)
-            cached = [r.first_audio_ms for r in results[:-1] if not isinstance(r, Exception)]
-            row["first_audio_ms_p50"] = stats.percentiles(cached, (50,))["p50"]
-        if trace_dir is not None:
-            row["trace"] = trace.breakdown(trace_dir, [r for r in results if not isinstance(r, Exception)])
+        talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
+        log(f"[load] {n} conversation(s) at once, {frames} frames each, one every 80 ms"
+            + (f", after {aged} frames unpaced" if aged else "")
+            + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
+        outcomes, go = conversations(url, talks, log)
+        row = load_row(n, outcomes, go, pool)
+        served = [o.result for o in outcomes if o.error is None]
+        if trace_dir is not None and served:
+            row["trace"] = trace.breakdown(trace_dir, served)
+            row["ticks"] = ticks.stage_ticks(trace_dir, go, max(r.started_at + r.wall_s for r in served))
         if gpu_memory is not None:
             row["gpu_memory_gib"] = gpu_memory()
         log(f"  p50 {row['p50']} ms, p99 {row['p99']} ms, late {row['late']}/{row['frames']}, failed {row['failed']}, "
-            f"first audio {row['first_audio_ms_p50']} ms: {'real time' if row['real_time'] else 'NOT real time'}")
+            f"first audio {row['first_audio_ms_p50']} ms: {'held' if row['held'] else 'NOT held'} ({row['why']})")
         rows.append(row)
     return rows

@@ -52,7 +52,7 @@ def mimi_runtimes_in_log(server_log: Path) -> dict[str, str]:
 
 def server_info(url: str, server_log: Path | None = None) -> dict:
     """What the server says of itself: Triton version, and per stage its config parameters
-    (pool size, checkpoint, device, `mimi_runtime`). With the server's log at hand, the Mimi
+    (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype). With the server's log at hand, the Mimi
     runtime is the one each stage says it runs ("auto: onnxruntime")."""
     client = grpcclient.InferenceServerClient(url=url)
     log = Path(server_log).read_text(errors="replace") if server_log is not None else ""
@@ -61,17 +61,37 @@ def server_info(url: str, server_log: Path | None = None) -> dict:
     try:
         info = {"triton_version": client.get_server_metadata().version}
         for model in ("talker", "code2wav"):
-            config = client.get_model_config(model, as_json=True)["config"]
-            params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-            configured = params.get("mimi_runtime", "")
+            params = params_of(client, model)
+            runtime = params.get("mimi_runtime", "")
             configured = params.get("max_conversations", "")
             # auto: what the stage took, where its log is at hand; else unknown (None)
             info[model] = {"max_conversations": slots.get(model, int(configured) if configured.isdigit() else None),
                            "checkpoint": params.get("checkpoint", ""), "device": params.get("device", ""),
-                           "mimi_runtime": f"{configured}: {running[model]}" if model in running else configured}
+                           "mimi_runtime": f"{runtime}: {running[model]}" if model in running else runtime}
+            if model == "talker":
+                info[model]["kv_dtype"] = kv_dtype(params, log)
     finally:
         client.close()
     return info
+
+
+def params_of(client, model: str) -> dict[str, str]:
+    """A model's config parameters, {key: string value}, as the server has them."""
+    config = client.get_model_config(model, as_json=True)["config"]
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
+def kv_dtype(params: dict[str, str], log: str) -> str:
+    """What the talker's KV cache stores: what it sized its pool for, where its log says so
+    ("3000-frame bfloat16 KV cache", on a GPU); else its `kv_dtype` parameter; for auto, its
+    `dtype` parameter (auto's KV is the LM's dtype); else the auto rule itself."""
+    found = re.search(r"\d+-frame (\w+) KV cache", log)
+    if found:
+        return found.group(1)
+    for key in ("kv_dtype", "dtype"):
+        if params.get(key, "") not in ("", "auto"):
+            return params[key]
+    return "auto: the LM's dtype (bfloat16 on a GPU, float32 on a CPU)"
 
 
 def gpu_memory_used_gib() -> float | None:
@@ -108,6 +128,14 @@ def now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def dumps(result: dict) -> str:
+    """`result` as indented JSON, with every list of numbers on one line (a level keeps every
+    frame's latency: one number a line would be hundreds of thousands of lines)."""
+    text = json.dumps(result, indent=1)
+    # Only indentation puts a raw newline in JSON (strings escape theirs), so this touches no string.
+    return re.sub(r"\[\n[-0-9.eE+,\s]*\]", lambda m: re.sub(r"\s+", "", m.group()), text) + "\n"
+
+
 def save(result: dict, out: Path, stem: str, markdown, plot) -> None:
     """A run's result as out/stem.json, its table `markdown(result, plot's file name)` as
     out/stem.md (printed too) and `plot(result, path)` as out/stem.png."""
@@ -138,6 +166,7 @@ def markdown(result: dict) -> str:
              f"- Mimi runtime: talker {h['talker']['mimi_runtime']}, code2wav {h['code2wav']['mimi_runtime']}; "
              f"device {h['talker']['device']}; pool sizes talker {h['talker']['max_conversations']}, "
              f"code2wav {h['code2wav']['max_conversations']}",
+             f"- KV cache: {h['talker'].get('kv_dtype', 'not recorded')}",
              f"- Commit {h['commit']}, started {h['started']}, bench wall time {h['wall_s']} s",
              # Other work on the machine skews every figure; the load average shows whether there was any.
              f"- Load average (1 min) at start {h['load_average_start']}, at end {h['load_average_end']} "
@@ -149,49 +178,7 @@ def markdown(result: dict) -> str:
         lines += [f"First audio of the persona's first conversation (its prefill, unless the server saw "
                   f"the persona before): {result['first_audio_new_persona_ms']} ms.", ""]
     if "load" in result:
-        best = result["largest_real_time"]
-        lines += ["## Real-time conversations", "",
-                  "Each conversation sends one frame every 80 ms on a fixed schedule. Latency: a frame's send "
-                  "to its answer; late: answered more than 80 ms after it was sent; real time: p99 under "
-                  "80 ms and no frame late. On a server slower than real time frames queue up and latency "
-                  "grows along each conversation (right-hand plot), so the percentiles then depend on the "
-                  f"conversation's length ({result['load'][0]['frames'] // result['load'][0]['conversations']} "
-                  "frames here).", "",
-                  "Failed: conversations the server refused or ended with an error (past its slots); "
-                  "first audio of a new persona: the level's last conversation, whose persona the server had "
-                  f"not seen, starting {NEW_PERSONA_AFTER_S:g} s after the others (its prefill runs while "
-                  "they talk).", "",
-                  "| conversations | frames | p50 (ms) | p95 (ms) | p99 (ms) | late frames | failed "
-                  "| first audio p50 / max (ms) | first audio, new persona (ms) | frames/s | GPU memory (GiB) "
-                  "| real time |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
-        for r in result["load"]:
-            late = f"{r['late']} ({r['late_fraction']:.0%})" if r["frames"] else "-"
-            lines.append(f"| {r['conversations']} | {r['frames']} | {_cell(r['p50'])} | {_cell(r['p95'])} | "
-                         f"{_cell(r['p99'])} | {late} | {r.get('failed', 0)} | "
-                         f"{_cell(r['first_audio_ms_p50'])} / {_cell(r['first_audio_ms_max'])} | "
-                         f"{_cell(r.get('first_audio_ms_new_persona'))} | {r['frames_per_s']} | "
-                         f"{_cell(r.get('gpu_memory_gib'))} | {'yes' if r['real_time'] else 'no'} |")
-        lines += ["", "Largest number of conversations in real time: "
-                  + (f"**{best}**." if best else "**none** of those tested."), ""]
-        traced = [r for r in result["load"] if r.get("trace", {}).get("frames_traced")]
-        if traced:
-            from personaplex_triton.core.trace import SEGMENTS
-
-            lines += ["### Where a frame's time goes", "",
-                      "From the stages' frame traces (`PERSONAPLEX_TRACE_DIR`) and the client's send and "
-                      "receive times, one clock: median (p99) ms of each segment of a frame's trip; then each "
-                      "stage's tick over the ticks that took these frames, and the frames per tick.", "",
-                      "| segment | " + " | ".join(f"{r['conversations']} conv." for r in traced) + " |",
-                      "| --- |" + " ---: |" * len(traced)]
-            for name, _, _ in SEGMENTS:
-                cells = [r["trace"]["segments_ms"][name] for r in traced]
-                lines.append(f"| {name} | " + " | ".join(f"{c['p50']} ({c['p99']})" if c else "-" for c in cells) + " |")
-            for stage in ("talker", "code2wav"):
-                cells = [r["trace"]["ticks"].get(stage) for r in traced]
-                lines.append(f"| {stage} tick, frames per tick | " + " | ".join(
-                    f"{c['p50_ms']} ({c['p99_ms']}), {c['rows_p50']:g}" if c else "-" for c in cells) + " |")
-            lines.append("")
+        lines += _load_section(result)
     if "perf_analyzer" in result:
         lines += ["## perf_analyzer", "",
                   "`perf_analyzer` on `ensemble`, gRPC `--streaming`, `--serial-sequences` (one frame in flight "
@@ -222,28 +209,135 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _load_section(result: dict) -> list[str]:
+    h, rows = result["header"], result["load"]
+    aged = h.get("aged_context_frames", 0)
+    lines = [f"## Real-time conversations{f', aged context ({aged} frames)' if aged else ''}", ""]
+    if aged:
+        lines += [f"**Aged context**: each conversation first streamed {aged} frames of user audio as fast as the "
+                  "server took them (a real prefill through the served path, not paced and not measured); the "
+                  "level's conversations then waited for each other, and only the paced part after is measured. "
+                  "This does not stand for conversations of that length: there the context grows beside paced "
+                  "traffic.", ""]
+    lines += [f"Each conversation sends one frame every 80 ms on a fixed schedule, {h['conversation_s']:g} s "
+              f"({round(h['conversation_s'] * 1000 / stats.FRAME_MS)} frames) of paced audio each. Latency: a "
+              "frame's send to its answer; over 80 ms: late, the conversation falls behind its speaker. "
+              f"**Held**: p99 under 80 ms, at most {stats.HELD_LATE_FRACTION:.1%} of frames over 80 ms, none over "
+              f"{stats.HELD_MAX_MS:g} ms, and no failed start under capacity (a start refused at capacity where "
+              "the level exceeds the talker's pool is no failure, but is counted).", ""]
+    if h.get("persona_every_s"):
+        lines += [f"New personas: the level's last seat is taken by one conversation after another, each "
+                  f"{h['persona_every_s']:g} s apart, the first with the cached persona and every later one with a "
+                  "persona the server had not seen (its role prompt names a new booking code): the level keeps "
+                  "its conversations at once throughout, and each newcomer's prefill runs beside them. Their first "
+                  "audio is apart from the cached starts'.", ""]
+    elif h.get("new_persona"):
+        lines += [f"New persona: at levels above 1 the last conversation's persona is one the server had not "
+                  f"seen, starting {NEW_PERSONA_AFTER_S:g} s after the others (its prefill runs while they talk).", ""]
+    lines += ["| conversations | frames | p50 (ms) | p95 (ms) | p99 (ms) | max (ms) | over 80 ms | over 160 ms "
+              "| failed (refused at capacity) | first audio p50 / max (ms) | new personas: starts, first audio p50 / "
+              "max (ms) | frames/s | GPU memory (GiB) | verdict |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        late = f"{r['late']} ({r['late_fraction']:.2%})" if r["frames"] else "-"
+        new = (f"{r['new_persona_starts']}, {_cell(r['first_audio_ms_new_persona_p50'])} / "
+               f"{_cell(r['first_audio_ms_new_persona_max'])}") if r["new_persona_starts"] else "-"
+        lines.append(f"| {r['conversations']} | {r['frames']} | {_cell(r['p50'])} | {_cell(r['p95'])} | "
+                     f"{_cell(r['p99'])} | {_cell(r['max'])} | {late} | {r['over_160']} | "
+                     f"{r['failed']} ({r['refused_at_capacity']}) | {_cell(r['first_audio_ms_p50'])} / "
+                     f"{_cell(r['first_audio_ms_max'])} | {new} | {r['frames_per_s']} | "
+                     f"{_cell(r.get('gpu_memory_gib'))} | {'**held**' if r['held'] else 'not held'}: {r['why']} |")
+    best = result["largest_held"]
+    lines += ["", "Largest number of conversations held: " + (f"**{best}**." if best else "**none** of those tested.")
+              + ("" if not aged else " (aged context)"), ""]
+    lines += _windows_table(rows)
+    lines += _ticks_table(rows)
+    traced = [r for r in rows if r.get("trace", {}).get("frames_traced")]
+    if traced:
+        from personaplex_triton.core.trace import SEGMENTS
+
+        lines += ["### Where a frame's time goes", "",
+                  "From the stages' frame traces (`PERSONAPLEX_TRACE_DIR`) and the client's send and "
+                  "receive times, one clock: median (p99) ms of each segment of a frame's trip; then each "
+                  "stage's tick over the ticks that took these frames, and the frames per tick"
+                  + (" (with an aged context these include the unpaced frames)." if aged else "."), "",
+                  "| segment | " + " | ".join(f"{r['conversations']} conv." for r in traced) + " |",
+                  "| --- |" + " ---: |" * len(traced)]
+        for name, _, _ in SEGMENTS:
+            cells = [r["trace"]["segments_ms"][name] for r in traced]
+            lines.append(f"| {name} | " + " | ".join(f"{c['p50']} ({c['p99']})" if c else "-" for c in cells) + " |")
+        for stage in ("talker", "code2wav"):
+            cells = [r["trace"]["ticks"].get(stage) for r in traced]
+            lines.append(f"| {stage} tick, frames per tick | " + " | ".join(
+                f"{c['p50_ms']} ({c['p99_ms']}), {c['rows_p50']:g}" if c else "-" for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _windows_table(rows: list[dict]) -> list[str]:
+    """p99 and frames over 80 ms per window along each level's run: a drift shows down a column."""
+    longest = max(rows, key=lambda r: len(r["windows"]))["windows"]
+    if not longest:
+        return []
+    lines = ["### Along the run", "",
+             "Frames by when they were sent, per window of the level's paced part: p99 ms (frames over 80 ms).", "",
+             "| from (s) | " + " | ".join(f"{r['conversations']} conv." for r in rows) + " |",
+             "| ---: |" + " ---: |" * len(rows)]
+    for i, window in enumerate(longest):
+        cells = [r["windows"][i] if i < len(r["windows"]) else None for r in rows]
+        lines.append(f"| {window['start_s']:g} | " + " | ".join(
+            f"{c['p99']} ({c['late']})" if c and c["frames"] else "-" for c in cells) + " |")
+    return lines + [""]
+
+
+def _ticks_table(rows: list[dict]) -> list[str]:
+    """Each stage's ticks over each level's paced part (bench.ticks), where traces were read."""
+    traced = [r for r in rows if r.get("ticks")]
+    if not traced:
+        return []
+    lines = ["### Ticks", "",
+             "Each stage's ticks that started during the level's paced part, from its frame traces: ticks per "
+             "second, frames a tick carried (mean, p50, max), the tick's time (p50 / p99 ms), and the busy "
+             "fraction (the ticks' summed time over the wall time).", "",
+             "| stage | conversations | ticks/s | frames per tick: mean, p50, max | tick p50 / p99 (ms) "
+             "| busy fraction |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for stage in ("talker", "code2wav"):
+        for r in traced:
+            t = r["ticks"].get(stage)
+            if t:
+                lines.append(f"| {stage} | {r['conversations']} | {t['ticks_per_s']} | {t['frames_per_tick_mean']}, "
+                             f"{t['frames_per_tick_p50']:g}, {t['frames_per_tick_max']} | {t['tick_ms_p50']} / "
+                             f"{t['tick_ms_p99']} | {t['busy_fraction']} |")
+    return lines + [""]
+
+
 # ----------------------------------------------------------------------------- plots
 
 
 def plot_load(rows: list[dict], title: str, path: Path) -> None:
+    """Left: p50 / p95 / p99 against conversations. Middle and right, along the run (per window
+    of the paced part), one line per level: p99, and frames over 80 ms."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = [r["conversations"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 3.8))
     for key, style in (("p50", "o-"), ("p95", "s--"), ("p99", "^:")):
         left.plot(n, [r[key] for r in rows], style, label=key)
-    left.axhline(stats.FRAME_MS, color="grey", lw=0.8, label="80 ms (real time)")
+    left.axhline(stats.FRAME_MS, color="grey", lw=0.8, label="80 ms")
     left.set(xlabel="concurrent conversations", ylabel="frame latency (ms)", xticks=n, yscale="log")
     left.legend(fontsize=8)
     for level, r in enumerate(rows):
-        for i, latencies in enumerate(r["latencies_ms"]):
-            right.plot(range(len(latencies)), latencies, ".", ms=2, color=f"C{level}",
-                       label=f"{r['conversations']}" if i == 0 else None)
-    right.axhline(stats.FRAME_MS, color="grey", lw=0.8)
-    right.set(xlabel="frame of the conversation", ylabel="latency (ms)", yscale="log")
-    right.legend(title="conversations", fontsize=7)
+        shown = [w for w in r["windows"] if w["frames"]]
+        at = [w["start_s"] for w in shown]
+        middle.plot(at, [w["p99"] for w in shown], ".-", color=f"C{level}", label=str(r["conversations"]))
+        right.plot(at, [w["late"] for w in shown], ".-", color=f"C{level}", label=str(r["conversations"]))
+    middle.axhline(stats.FRAME_MS, color="grey", lw=0.8)
+    middle.set(xlabel="time along the run (s, window start)", ylabel="p99 in the window (ms)", yscale="log")
+    right.set(xlabel="time along the run (s, window start)", ylabel="frames over 80 ms in the window")
+    for ax in (middle, right):
+        ax.legend(title="conversations", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

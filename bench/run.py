@@ -4,6 +4,8 @@ server's overhead over the library in-process. One command, on any server it can
     python -m bench.run                          # starts tritonserver on the default checkpoint
     python -m bench.run --url gpu-host:8001      # an existing server (the GPU deployment)
     python -m bench.run --stages load --conversations 1 8 32 64 --seconds 10
+    python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 240 --persona-every 30
+    python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 30 --aged-context 2500
 
 Writes <out>/<YYYY-MM-DD>-<machine>.md (tables), .json (figures) and -load.png /
 -perf-analyzer.png (plots), and prints the tables. `make bench` installs what it needs first.
@@ -12,7 +14,6 @@ Writes <out>/<YYYY-MM-DD>-<machine>.md (tables), .json (figures) and -load.png /
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -49,19 +50,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--conversations", type=int, nargs="+", default=[1, 2, 4],
                         help="real-time load levels (concurrent conversations)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="user audio per real-time conversation")
+    parser.add_argument("--seconds", type=float, default=4.0,
+                        help="paced user audio per real-time conversation (the speech loops; 240: contexts "
+                             "reach 3,000 frames, PersonaPlex's limit; 300 goes past it)")
+    parser.add_argument("--aged-context", type=int, default=0, metavar="FRAMES",
+                        help="real-time load: each conversation first streams FRAMES frames unpaced (a real "
+                             "prefill, not measured), then the paced part; results are labelled aged")
     parser.add_argument("--pa-concurrency", type=int, nargs="+", default=[1, 2, 4],
                         help="perf_analyzer concurrency levels (sequences at once)")
     parser.add_argument("--pa-frames", type=int, default=25, help="frames per perf_analyzer sequence")
     parser.add_argument("--overhead-frames", type=int, default=25, help="frames per overhead round")
     parser.add_argument("--overhead-rounds", type=int, default=3,
                         help="in-process and Triton conversations, taking turns")
-    parser.add_argument("--new-persona", action="store_true",
-                        help="real-time load: each level's last conversation brings a persona the server has not seen")
+    personas = parser.add_mutually_exclusive_group()
+    personas.add_argument("--new-persona", action="store_true",
+                          help="real-time load: each level's last conversation brings a persona the server has not seen")
+    personas.add_argument("--persona-every", type=float, metavar="SECONDS",
+                          help="real-time load: the last seat of each level holds one conversation after another, "
+                               "SECONDS apart, each later one with a persona the server has not seen")
     parser.add_argument("--trace-dir", type=Path,
                         help="the server's PERSONAPLEX_TRACE_DIR (it runs on this machine; a server the bench "
                              "starts gets it set): each load level's frames are followed through the stages")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.seconds <= 0 or args.aged_context < 0:
+        parser.error(f"--seconds must be positive and --aged-context at least 0 (got {args.seconds:g}, "
+                     f"{args.aged_context})")
+    args.frames = round(args.seconds * 1000 / stats.FRAME_MS)
+    try:  # a level's plan, checked before any server starts
+        loadgen.plan(max(args.conversations), args.frames, args.aged_context, args.new_persona, args.persona_every)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def main(argv=None) -> int:
@@ -90,22 +109,29 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
     if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
         raise SystemExit(f"--pa-concurrency {max(args.pa_concurrency)}: the server's talker has {slots} "
                          "conversation slots (max_conversations); more would be refused")
+    machine = report.machine()
+    if local and not machine["gpus"] and info["talker"]["kv_dtype"].startswith("auto"):
+        info["talker"]["kv_dtype"] = "float32 (auto: the LM's dtype on a CPU)"  # this machine's server, on its CPU
     configured = info["talker"]["checkpoint"]
     local_checkpoint = checkpoint_spec(configured)  # what this machine resolves the server's config to
     if local or configured:
         checkpoint = report.checkpoint_label(local_checkpoint)
     else:
         checkpoint = "the server's default ($PERSONAPLEX_CHECKPOINT there, else its checkpoints/tiny)"
-    machine = report.machine()
     header = {"date": started.date().isoformat(), "started": started.strftime("%Y-%m-%d %H:%M UTC"),
               "command": args.command,
               "machine": machine, "server": where, "triton_version": info["triton_version"],
               "checkpoint": checkpoint, "talker": info["talker"], "code2wav": info["code2wav"],
               "commit": args.commit or report.git_commit(), "load_average_start": round(os.getloadavg()[0], 2),
-              "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt}}
+              "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt},
+              "conversation_s": round(args.frames * stats.FRAME_MS / 1000, 2),
+              "aged_context_frames": args.aged_context, "new_persona": args.new_persona,
+              "persona_every_s": args.persona_every}
     result = {"header": header}
-    stem = f"{header['date']}-{args.name or machine['slug']}"
-    title = f"{machine['cpu']}, {machine['cores']} cores, {', '.join(machine['gpus']) or 'no GPU'}; {header['date']}"
+    stem = result_stem(header, args.name or machine["slug"])
+    title = (f"{machine['cpu']}, {machine['cores']} cores, {', '.join(machine['gpus']) or 'no GPU'}; {header['date']}; "
+             f"{header['conversation_s']:g} s paced" + (f" after an aged context of {args.aged_context} frames"
+                                                         if args.aged_context else ""))
 
     log("[warm-up] the persona's first conversation (its prefill, unless the server knows it)")
     warm = stream_conversation(user_frames(2).reshape(-1), url=url, persona=PERSONA, max_in_flight=1)
@@ -113,9 +139,10 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
     log(f"  first audio after {warm.first_audio_ms:.0f} ms")
 
     if "load" in args.stages:
-        frames = user_frames(round(args.seconds * 1000 / stats.FRAME_MS))
-        result["load"] = loadgen.sweep(url, frames, args.conversations, log, new_personas=args.new_persona,
+        result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
+                                       persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib)
+        result["largest_held"] = stats.largest_held(result["load"])
         result["largest_real_time"] = stats.largest_real_time(result["load"])
     if "perf-analyzer" in args.stages:
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)
@@ -139,10 +166,17 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
         result["plots"].append(f"{stem}-perf-analyzer.png")
     text = report.markdown(result)
     (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{stem}.json").write_text(report.dumps(result))
     print(text)
     log(f"[done] {args.out / stem}.md, .json and plots, in {header['wall_s']} s")
     return 0
+
+
+def result_stem(header: dict, name: str) -> str:
+    """A result's file name, less its suffix: <date>-<name>, and -aged<FRAMES> for an aged-context
+    run, so that it is never taken for conversations that long."""
+    aged = header.get("aged_context_frames", 0)
+    return f"{header['date']}-{name}" + (f"-aged{aged}" if aged else "")
 
 
 def _perf_analyzer(url: str, frames: np.ndarray, levels: list[int]) -> list[dict]:

@@ -2,7 +2,9 @@
 
 A frame is late when its answer comes more than one frame duration (80 ms) after it was
 sent: a live conversation then falls behind its speaker. A load is real time when p99 stays
-under 80 ms and no frame is late.
+under 80 ms and no frame is late. A load is *held* (issue 25's bar, which the benchmark's
+verdict follows) when p99 is under 80 ms, at most 0.1% of frames are late, none is later than
+160 ms, and no start failed under capacity.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from personaplex_triton.core import contract
 
 FRAME_MS = 1000.0 * contract.FRAME_SAMPLES / contract.SAMPLE_RATE  # 80 ms
 QUANTILES = (50, 95, 99)
+HELD_LATE_FRACTION = 0.001    # at most 0.1% of frames over 80 ms
+HELD_MAX_MS = 2 * FRAME_MS     # and none over 160 ms
+# What the server says when it refuses a start for want of room: issue 25's admission error, and
+# the slot pool's own refusal before it.
+CAPACITY_REFUSALS = ("at capacity", "conversation slots are busy")
 
 
 def percentiles(values_ms: Sequence[float], quantiles: Iterable[int] = QUANTILES) -> dict[str, float | None]:
@@ -34,7 +41,9 @@ def frame_summary(latencies_ms: Sequence[float], budget_ms: float = FRAME_MS) ->
     """Frames, p50 / p95 / p99, late frames (count and fraction) and whether it is real time."""
     late = late_frames(latencies_ms, budget_ms)
     summary = {"frames": len(latencies_ms), **percentiles(latencies_ms), "late": late,
-               "late_fraction": round(late / len(latencies_ms), 3) if len(latencies_ms) else None}
+               "late_fraction": round(late / len(latencies_ms), 5) if len(latencies_ms) else None,
+               "over_160": late_frames(latencies_ms, HELD_MAX_MS),
+               "max": round(float(max(latencies_ms)), 1) if len(latencies_ms) else None}
     summary["real_time"] = is_real_time(summary, budget_ms)
     return summary
 
@@ -54,3 +63,72 @@ def largest_real_time(rows: Sequence[dict], key: str = "conversations") -> int |
             break
         best = row[key]
     return best
+
+
+def is_capacity_refusal(error: str) -> bool:
+    """Whether a failed start's message is the server's refusal for want of room."""
+    return any(marker in error for marker in CAPACITY_REFUSALS)
+
+
+def held(summary: dict, conversations: int, pool: int | None, errors: Sequence[str]) -> dict:
+    """Issue 25's verdict on one load level: {"held": bool, "why": str, "refused_at_capacity": n,
+    "failed_under_capacity": n}. `summary` is frame_summary of the served frames; `conversations`
+    the level's conversations at once, `pool` the talker's slots (None: unknown); `errors` the
+    message of each conversation that failed. A start refused at capacity is no failure when the
+    level exceeds the pool, but is reported; any other failure, or a refusal within the pool (or
+    with the pool unknown), is a failed start under capacity."""
+    refused = [e for e in errors if is_capacity_refusal(e)]
+    past_pool = pool is not None and conversations > pool
+    failed = len(errors) - (len(refused) if past_pool else 0)
+    not_held = []
+    if not summary["frames"]:
+        not_held.append("no frame answered")
+    else:
+        if summary["p99"] >= FRAME_MS:
+            not_held.append(f"p99 {summary['p99']} ms is not under {FRAME_MS:g} ms")
+        if summary["late"] > HELD_LATE_FRACTION * summary["frames"]:
+            not_held.append(f"{summary['late']} of {summary['frames']} frames over {FRAME_MS:g} ms "
+                            f"({summary['late'] / summary['frames']:.2%}, more than {HELD_LATE_FRACTION:.1%})")
+        if summary["over_160"]:
+            not_held.append(f"{summary['over_160']} frames over {HELD_MAX_MS:g} ms (max {summary['max']} ms)")
+    if failed:
+        pool_said = "" if pool is not None or not refused else " (pool size unknown: give --server-log)"
+        not_held.append(f"{failed} failed starts under capacity{pool_said}")
+    notes = [f"{len(refused)} starts refused at capacity (pool {pool})"] if refused and past_pool else []
+    if not_held:
+        why = "; ".join(not_held + notes)
+    else:
+        why = "; ".join([f"p99 {summary['p99']} ms, {summary['late']} of {summary['frames']} frames over "
+                         f"{FRAME_MS:g} ms, max {summary['max']} ms"] + notes)
+    return {"held": not not_held, "why": why, "refused_at_capacity": len(refused),
+            "failed_under_capacity": failed}
+
+
+def largest_held(rows: Sequence[dict], key: str = "conversations") -> int | None:
+    """The largest load up to which every tested load was held (as largest_real_time)."""
+    best = None
+    for row in sorted(rows, key=lambda r: r[key]):
+        if not row["held"]:
+            break
+        best = row[key]
+    return best
+
+
+def windows(send_s: Sequence[float], latencies_ms: Sequence[float], window_s: float = 10.0) -> list[dict]:
+    """Frames grouped by when they were sent (`send_s[i]`, seconds from the level's start), one
+    group per `window_s`: per window its start, frames, p50 / p99 and frames over 80 ms, so that
+    a drift along the run shows (an empty window: frames 0, percentiles None)."""
+    if window_s <= 0:
+        raise ValueError(f"window_s must be positive, got {window_s}")
+    if len(send_s) != len(latencies_ms):
+        raise ValueError(f"{len(send_s)} send times for {len(latencies_ms)} latencies")
+    if not len(send_s):
+        return []
+    index = np.floor(np.maximum(np.asarray(send_s, dtype=np.float64), 0.0) / window_s).astype(int)
+    latencies = np.asarray(latencies_ms, dtype=np.float64)
+    found = []
+    for w in range(int(index.max()) + 1):
+        inside = latencies[index == w]
+        found.append({"start_s": round(w * window_s, 1), "frames": int(inside.size),
+                      **percentiles(inside.tolist(), (50, 99)), "late": late_frames(inside)})
+    return found

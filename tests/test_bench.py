@@ -74,28 +74,155 @@ def test_persona_inputs_are_named_and_typed_as_the_contract_says():
     assert workload.persona_values(Persona(voice="NATF0")) == {contract.VOICE: "NATF0"}
 
 
+def test_held_follows_issue_25s_bar():
+    """Held: p99 under 80 ms, at most 0.1% of frames over 80 ms, none over 160 ms, no failed start
+    under capacity; a refusal at capacity past the pool is counted, not failed."""
+    good = stats.frame_summary([30.0] * 2000)
+    verdict = stats.held(good, 8, pool=8, errors=[])
+    assert verdict == {"held": True, "why": "p99 30.0 ms, 0 of 2000 frames over 80 ms, max 30.0 ms",
+                       "refused_at_capacity": 0, "failed_under_capacity": 0}
+    two_late = stats.frame_summary([30.0] * 1998 + [90.0] * 2)  # 0.1%: still held
+    assert stats.held(two_late, 8, 8, [])["held"] and not two_late["real_time"]
+    three_late = stats.held(stats.frame_summary([30.0] * 1997 + [90.0] * 3), 8, 8, [])
+    assert not three_late["held"] and "3 of 2000 frames over 80 ms (0.15%, more than 0.1%)" in three_late["why"]
+    one_very_late = stats.held(stats.frame_summary([30.0] * 1999 + [161.0]), 8, 8, [])
+    assert not one_very_late["held"] and one_very_late["why"] == "1 frames over 160 ms (max 161.0 ms)"
+    slow = stats.held(stats.frame_summary([85.0] * 100), 1, 8, [])
+    assert "p99 85.0 ms is not under 80 ms" in slow["why"]
+    refused = "server error (model 'ensemble', frame 0): all 4 conversation slots are busy; try again later"
+    past_pool = stats.held(good, 6, 4, [refused, "talker at capacity: new conversations are refused"])
+    assert past_pool["held"] and past_pool["refused_at_capacity"] == 2
+    assert past_pool["why"].endswith("; 2 starts refused at capacity (pool 4)")
+    within_pool = stats.held(good, 4, 4, [refused])
+    assert not within_pool["held"] and within_pool["failed_under_capacity"] == 1
+    unknown_pool = stats.held(good, 6, None, [refused])
+    assert not unknown_pool["held"] and "pool size unknown" in unknown_pool["why"]
+    broken = stats.held(good, 6, 4, ["the stream broke"])
+    assert not broken["held"] and broken["why"].startswith("1 failed starts under capacity")
+    assert not stats.held(stats.frame_summary([]), 1, 4, [])["held"]
+    rows = [{"conversations": n, "held": ok} for n, ok in ((1, True), (8, True), (16, False), (32, True))]
+    assert stats.largest_held(rows) == 8
+
+
+def test_windows_group_frames_by_when_they_were_sent():
+    send_s = [0.0, 0.08, 9.99, 10.0, 25.0, 25.5]
+    latencies = [10.0, 20.0, 30.0, 90.0, 81.0, 40.0]
+    found = stats.windows(send_s, latencies, window_s=10.0)
+    assert [w["start_s"] for w in found] == [0.0, 10.0, 20.0]
+    assert [(w["frames"], w["late"]) for w in found] == [(3, 0), (1, 1), (2, 1)]
+    assert found[0]["p50"] == 20.0 and found[1]["p99"] == 90.0
+    gap = stats.windows([0.0, 21.0], [10.0, 10.0], window_s=10.0)[1]
+    assert gap == {"start_s": 10.0, "frames": 0, "p50": None, "p99": None, "late": 0}
+    assert stats.windows([], []) == []
+    with pytest.raises(ValueError, match="2 send times for 1 latencies"):
+        stats.windows([0.0, 1.0], [5.0])
+    with pytest.raises(ValueError, match="window_s must be positive"):
+        stats.windows([0.0], [5.0], window_s=0)
+
+
+def test_plan_ages_every_conversation_and_turns_the_last_seat_over_to_new_personas():
+    talks = loadgen.plan(3, 375, aged=100, persona_every_s=10.0, tag="t")  # 30 s, a newcomer every 10 s
+    assert [(t.new, t.start_s, t.frames, t.aged) for t in talks] == [
+        (False, 0.0, 375, 100), (False, 0.0, 375, 100),
+        # the seat's conversations end VISITOR_GAP_S before the next starts; newcomers start unaged
+        (False, 0.0, 119, 0), (True, 10.0, 119, 0), (True, 20.0, 119, 0)]
+    prompts = [t.persona.text_prompt for t in talks]
+    assert prompts[2] == workload.PERSONA.text_prompt and len(set(prompts[2:])) == 3
+    assert [t.persona.seed for t in talks[:3]] == [0, 1, 2]
+    last = loadgen.plan(2, 50, new_persona_last=True, tag="x")[-1]
+    assert last.new and last.start_s == loadgen.NEW_PERSONA_AFTER_S and "x" in last.persona.text_prompt
+    assert [t.new for t in loadgen.plan(1, 50, persona_every_s=1.0)] == [False]  # one seat: no newcomer
+    with pytest.raises(ValueError, match="none would arrive within 3.04 s"):
+        loadgen.plan(2, 38, persona_every_s=2.0)
+    with pytest.raises(ValueError, match="leaves a newcomer no frame"):
+        loadgen.plan(2, 38, persona_every_s=0.5)
+
+
+def test_tick_figures_count_the_ticks_of_the_stretch():
+    from bench import ticks
+
+    def frame(start, ms, rows=4):
+        return {"tick_start": start, "tick_end": start + ms / 1000, "rows": rows}
+
+    records = [frame(100.0, 20), frame(100.0, 20), frame(100.0, 20),  # one tick, 3 frames
+               frame(100.5, 40), frame(101.0, 10, rows=8), frame(99.0, 50), frame(102.0, 30)]  # 2 outside
+    t = ticks.tick_figures(records, 100.0, 102.0)
+    assert (t["ticks"], t["ticks_per_s"], t["frames_per_tick_max"], t["rows_p50"]) == (3, 1.5, 3, 4.0)
+    assert t["frames_per_tick_mean"] == round(5 / 3, 2) and t["frames_per_tick_p50"] == 1.0
+    assert t["busy_fraction"] == 0.035 and t["tick_ms_p50"] == 20.0  # (20 + 40 + 10) ms over 2 s
+    assert ticks.tick_figures(records, 200.0, 201.0) is None
+    with pytest.raises(ValueError, match="must end after it starts"):
+        ticks.tick_figures(records, 2.0, 1.0)
+
+
+def test_result_json_keeps_number_lists_on_one_line_and_reads_back():
+    import json
+
+    result = {"header": {"command": "python -m bench.run --conversations 1 8"},
+              "load": [{"latencies_ms": [[12.3, 45.6, 7.0], []], "windows": [{"start_s": 0.0, "p99": None}]}]}
+    text = report.dumps(result)
+    assert json.loads(text) == result and "[12.3,45.6,7.0]" in text and text.endswith("\n")
+
+
+def test_kv_dtype_from_the_log_else_the_parameters():
+    line = ("talker: 71 conversation slots (auto: 120.0 GiB free on the GPU, 1.52 GiB per conversation "
+            "(3000-frame float8_e4m3fn KV cache + Mimi state), 8 GiB kept back)")
+    assert report.kv_dtype({"kv_dtype": "auto"}, line) == "float8_e4m3fn"
+    assert report.kv_dtype({"kv_dtype": "bfloat16"}, "") == "bfloat16"
+    assert report.kv_dtype({"kv_dtype": "auto", "dtype": "float32"}, "") == "float32"
+    assert report.kv_dtype({"kv_dtype": "auto", "dtype": "auto"}, "").startswith("auto")
+
+
+def test_aged_context_is_labelled_in_the_file_name_and_the_report():
+    from bench import run
+
+    header = {"date": "2026-12-04", "aged_context_frames": 2500}
+    assert run.result_stem(header, "h200") == "2026-12-04-h200-aged2500"
+    assert run.result_stem({"date": "2026-12-04", "aged_context_frames": 0}, "h200") == "2026-12-04-h200"
+    args = run.parse_args(["--stages", "load", "--seconds", "240", "--aged-context", "10", "--persona-every", "30"])
+    assert (args.frames, args.aged_context, args.persona_every) == (3000, 10, 30.0)
+    with pytest.raises(SystemExit):
+        run.parse_args(["--new-persona", "--persona-every", "30"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--seconds", "3", "--persona-every", "30"])  # no newcomer would come
+
+
 @pytest.mark.integration
-def test_load_generator_and_report_against_the_server(server):
-    rows = loadgen.sweep(server.grpc_url, workload.frames(4), [1, 2], log=lambda _: None, new_personas=True,
-                         trace_dir=server.trace_dir)
-    for n, row in zip((1, 2), rows):
-        assert row["conversations"] == n and row["frames"] == 4 * n == sum(map(len, row["latencies_ms"]))
-        assert 0 < row["p50"] <= row["p95"] <= row["p99"] and 0 <= row["late"] <= row["frames"]
-        assert row["first_audio_ms_p50"] > 0 and row["frames_per_s"] > 0 and row["failed"] == 0
-        # every frame followed through both stages, its trip's segments in order of time
-        trace = row["trace"]
-        assert trace["frames_traced"] == row["frames"]
-        assert trace["segments_ms"]["talker tick"]["p50"] > 0 and trace["ticks"]["code2wav"]["ticks"] > 0
-    assert "first_audio_ms_new_persona" not in rows[0] and rows[1]["first_audio_ms_new_persona"] > 0
-    info = report.server_info(server.grpc_url, server.log_path)
-    assert info["talker"]["max_conversations"] == loaders.CPU_TALKER_SLOTS  # auto, read from the log
-    assert info["code2wav"]["mimi_runtime"]
-    header = {"date": "2026-01-01", "started": "2026-01-01 00:00 UTC", "command": "python -m bench.run",
-              "machine": report.machine(), "server": "test", "triton_version": info["triton_version"],
-              "checkpoint": "tiny", "talker": info["talker"], "code2wav": info["code2wav"], "commit": "x",
-              "wall_s": 1.0, "load_average_start": 0.1, "load_average_end": 0.2, "persona": {"voice": "NATF0", "text_prompt": "p"}}
-    text = report.markdown({"header": header, "load": rows, "largest_real_time": stats.largest_real_time(rows)})
-    assert "| 2 | 8 |" in text and "Largest number of conversations in real time" in text
+def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(server, tmp_path):
+    """bench.run's load stage, briefly: 2 conversations aged by 10 unpaced frames, then 3 s
+    paced, the last seat turned over to a new persona after 1.5 s; every paced frame is kept and
+    only those, the verdict names its reasons, the header its KV dtype and lengths."""
+    import json
+
+    from bench import run
+
+    assert run.main(["--url", server.grpc_url, "--server-log", str(server.log_path), "--stages", "load",
+                     "--conversations", "2", "--seconds", "3", "--aged-context", "10", "--persona-every", "1.5",
+                     "--trace-dir", str(server.trace_dir), "--out", str(tmp_path), "--name", "t"]) == 0
+    [saved] = tmp_path.glob("*-t-aged10.json")
+    result = json.loads(saved.read_text())
+    h = result["header"]
+    assert (h["aged_context_frames"], h["conversation_s"], h["persona_every_s"]) == (10, 3.04, 1.5)
+    assert h["talker"]["kv_dtype"] and h["talker"]["max_conversations"] == loaders.CPU_TALKER_SLOTS
+    [row] = result["load"]
+    each = row["per_conversation"]
+    assert [(c["persona"], c["start_s"], c["seconds"], c["aged_frames"]) for c in each] == [
+        ("cached", 0.0, 3.04, 10), ("cached", 0.0, 0.96, 0), ("new", 1.5, 0.96, 0)]
+    assert all(c["error"] is None for c in each) and each[0]["aged_s"] > 0
+    # the paced frames only: 38 + 12 + 12, each conversation's every one
+    assert [len(ms) for ms in row["latencies_ms"]] == [38, 12, 12] and row["frames"] == 62
+    assert sum(w["frames"] for w in row["windows"]) == 62
+    assert row["new_persona_starts"] == 1 and row["first_audio_ms_new_persona_p50"] > 0
+    assert row["first_audio_ms_p50"] > 0 and row["failed"] == 0 and row["why"]
+    assert row["held"] == (row["p99"] < 80 and row["late"] <= 0.062 and row["over_160"] == 0)
+    talker = row["ticks"]["talker"]
+    assert talker["ticks"] > 0 and 0 < talker["busy_fraction"] <= 1
+    # 2 conversations at once, 3 where a late seat overlaps the next
+    assert 1 <= talker["frames_per_tick_mean"] <= talker["frames_per_tick_max"] <= 3
+    assert row["trace"]["segments_ms"]["talker tick"]["p50"] > 0
+    text = (tmp_path / saved.name.replace(".json", ".md")).read_text()
+    assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
+    assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()
 
 
 @pytest.mark.integration

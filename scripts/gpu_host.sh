@@ -14,6 +14,9 @@
 #   scripts/gpu_host.sh test-library # there, part2 only: the library's GPU tests (tests/test_gpu.py)
 #   scripts/gpu_host.sh serve        # there: tritonserver in the background, until ready
 #   scripts/gpu_host.sh bench [ARG]  # there, against it: the load sweep, then perf_analyzer (ARG: --out DIR)
+#   scripts/gpu_host.sh bench-long N SECONDS [ARG...]  # there, against it: N conversations of SECONDS
+#                                    # each (240: contexts reach 3,000 frames; 300: past the limit), a new
+#                                    # persona every 30 s (ARG: more bench.run options, e.g. --out DIR)
 #   scripts/gpu_host.sh engine [DIR] # there, no server up (part2 and a tokenizer suffice): the
 #                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
@@ -156,6 +159,14 @@ bench() {
     python -m bench.run "${common[@]}" --name h200-perf-analyzer --stages perf-analyzer --pa-concurrency 1 16 64
 }
 
+bench_long() {
+    environment
+    local n=${1:?bench-long needs N (conversations) and SECONDS} seconds=${2:?bench-long needs SECONDS}
+    shift 2
+    python -m bench.run --url localhost:8001 --server-log "$HOST/tritonserver.log" --name "h200-n$n-${seconds}s" \
+        --stages load --conversations "$n" --seconds "$seconds" --persona-every 30 --trace-dir "$TRACE_DIR" "$@"
+}
+
 stop() {
     if [ -f "$HOST/tritonserver.pid" ]; then
         local group=-$(cat "$HOST/tritonserver.pid")
@@ -186,8 +197,9 @@ case "${1:-}" in
     test-library) environment; python -m pytest -q -rs tests/test_gpu.py ;;
     serve) serve ;;
     bench) shift; bench "$@" ;;
+    bench-long) shift; bench_long "$@" ;;
     engine) engine "${2:-}" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
-    *) sed -n '2,25p' "$0"; exit 2 ;;
+    *) sed -n '2,28p' "$0"; exit 2 ;;
 esac

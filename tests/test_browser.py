@@ -11,6 +11,7 @@ middle of the conversation (the one in docs/ is made so).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -83,15 +84,14 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"the gateway at {url} was not healthy after {timeout_s:.0f} s")
 
 
-@pytest.fixture(scope="module")
-def gateway(server, tiny_checkpoint, tmp_path_factory):
-    """The real gateway (its console entry point) in front of `server`; its base URL."""
+@contextlib.contextmanager
+def running_gateway(server, checkpoint: Path, log: Path, *flags: str):
+    """The real gateway (its console entry point) in front of `server`, on a free port: yields its base URL."""
     port = free_port()
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "personaplex_gateway", f"--triton-url={server.grpc_url}", f"--port={port}",
-             f"--checkpoint={tiny_checkpoint}"], stdout=out, stderr=subprocess.STDOUT)
+             f"--checkpoint={checkpoint}", *flags], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:
         wait_healthy(url, process, GATEWAY_READY_S)
@@ -99,6 +99,22 @@ def gateway(server, tiny_checkpoint, tmp_path_factory):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def gateway(server, tiny_checkpoint, tmp_path_factory):
+    with running_gateway(server, tiny_checkpoint, tmp_path_factory.mktemp("gateway") / "gateway.log") as url:
+        yield url
+
+
+GATEWAY_TOKEN = "page-test-token"
+
+
+@pytest.fixture(scope="module")
+def gateway_with_token(server, tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with running_gateway(server, tiny_checkpoint, log, f"--token={GATEWAY_TOKEN}") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +208,19 @@ def test_an_unknown_voice_shows_the_servers_message(page, gateway):
     assert "NOPE9" in message and "unknown_voice" in message
     assert page.is_visible("#error") and page.text_content("#error-text") == message
     assert page.is_visible("#start") and page.is_enabled("#start") and not page.is_visible("#stop")
+
+
+def test_the_pages_token_reaches_the_socket(page, gateway_with_token):
+    """Without a token the gateway refuses the socket at its upgrade, and the page shows its
+    reason; with the page's own ?token= the conversation starts."""
+    open_ready(page, gateway_with_token)
+    page.click("#start")
+    page.wait_for_function("window.personaplex.state === 'error'", timeout=LIVE_TIMEOUT_MS)
+    assert "needs a token" in page.text_content("#error-text")
+    open_ready(page, f"{gateway_with_token}?token={GATEWAY_TOKEN}")
+    assert not page.is_visible("#error")
+    page.click("#start")
+    page.wait_for_function("window.personaplex.state === 'live'", timeout=LIVE_TIMEOUT_MS)
 
 
 def test_a_browser_that_refuses_24khz_resamples(page, gateway):

@@ -143,20 +143,42 @@ export class Conversation extends EventTarget {
     this.setState("connecting", "Connecting to the gateway");
     const url = new URL("v1/realtime", location.href);
     url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
-    url.search = "";
     if (this.token) url.searchParams.set("token", this.token);
+    let opened = false;
     this.socket = new WebSocket(url);
     this.socket.onopen = () => {
+      opened = true;
       this.setState("loading", this.persona.voice ? `Loading persona ${this.persona.voice}` : "Loading persona");
       this.send({ type: "session.update", session: this.persona });
     };
     this.socket.onmessage = (event) => this.receive(event.data);
-    this.socket.onerror = () => this.fail("The connection to the gateway failed");
+    this.socket.onerror = () => {
+      if (opened) this.fail("The connection to the gateway failed");
+    };
     this.socket.onclose = (event) => {
       if (this.state === "ended" || this.state === "error") return;
+      if (!opened) {
+        this.explainRefusal(url);
+        return;
+      }
       const reason = event.reason ? `: ${event.reason}` : "";
       this.fail(`The gateway closed the connection (code ${event.code})${reason}`);
     };
+  }
+
+  // A socket refused at its upgrade tells the page nothing. The gateway checks the token
+  // before the upgrade, so the same URL over plain HTTP brings back its reason.
+  async explainRefusal(socketUrl) {
+    const url = new URL(socketUrl);
+    url.protocol = location.protocol;
+    let reason = "";
+    try {
+      const reply = await fetch(url);
+      if (reply.status === 401 || reply.status === 403) reason = `: ${(await reply.text()).trim()}`;
+    } catch {
+      // unreachable: the generic message below says so
+    }
+    this.fail(reason ? `The gateway refused the connection${reason}` : "The gateway could not be reached or refused the connection");
   }
 
   send(message) {

@@ -143,7 +143,6 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib)
         result["largest_held"] = stats.largest_held(result["load"])
-        result["largest_real_time"] = stats.largest_real_time(result["load"])
     if "perf-analyzer" in args.stages:
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)
     if "overhead" in args.stages:

@@ -38,7 +38,8 @@ def late_frames(latencies_ms: Sequence[float], budget_ms: float = FRAME_MS) -> i
 
 
 def frame_summary(latencies_ms: Sequence[float], budget_ms: float = FRAME_MS) -> dict:
-    """Frames, p50 / p95 / p99, late frames (count and fraction) and whether it is real time."""
+    """Frames, p50 / p95 / p99, late frames (count and fraction), frames over 160 ms, the
+    largest latency, and whether it is real time."""
     late = late_frames(latencies_ms, budget_ms)
     summary = {"frames": len(latencies_ms), **percentiles(latencies_ms), "late": late,
                "late_fraction": round(late / len(latencies_ms), 5) if len(latencies_ms) else None,
@@ -50,19 +51,6 @@ def frame_summary(latencies_ms: Sequence[float], budget_ms: float = FRAME_MS) ->
 
 def is_real_time(summary: dict, budget_ms: float = FRAME_MS) -> bool:
     return summary["frames"] > 0 and summary["p99"] < budget_ms and summary["late"] == 0
-
-
-def largest_real_time(rows: Sequence[dict], key: str = "conversations") -> int | None:
-    """The largest load (rows[i][key]) up to which every tested load was real time, or None.
-
-    A load past a failed one does not count: a pass there is noise, not capacity.
-    """
-    best = None
-    for row in sorted(rows, key=lambda r: r[key]):
-        if not row["real_time"]:
-            break
-        best = row[key]
-    return best
 
 
 def is_capacity_refusal(error: str) -> bool:
@@ -105,7 +93,10 @@ def held(summary: dict, conversations: int, pool: int | None, errors: Sequence[s
 
 
 def largest_held(rows: Sequence[dict], key: str = "conversations") -> int | None:
-    """The largest load up to which every tested load was held (as largest_real_time)."""
+    """The largest load (rows[i][key]) up to which every tested load was held, or None.
+
+    A load past one not held does not count: a pass there is noise, not capacity.
+    """
     best = None
     for row in sorted(rows, key=lambda r: r[key]):
         if not row["held"]:

@@ -41,6 +41,7 @@ import sphn
 from personaplex_stream import Persona, stream_conversation
 from personaplex_stream.audio import read_wav
 from personaplex_triton.core import contract
+from personaplex_triton.core.metrics import scrape
 from personaplex_triton.core.paths import MODEL_REPOSITORY, REPO_ROOT
 from personaplex_triton.serving.launch import TritonServer, free_port
 
@@ -50,15 +51,17 @@ FRAME = contract.FRAME_SAMPLES
 FRAME_S = FRAME / contract.SAMPLE_RATE
 VOICE = "NATF0"  # prefilled at load with an empty role prompt: no conversation waits for a prefill
 TARGET_MS = 2.0
+ACTIVE = 'personaplex_conversations_active{model="talker"}'
 
 
 def bench_repository(root: Path, slots: int) -> Path:
-    """A copy of the model repository whose talker has `slots` conversation slots."""
+    """A copy of the model repository whose two stages have `slots` conversation slots each."""
     repository = root / "model_repository"
     shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
-    config = repository / "talker" / "config.pbtxt"
-    config.write_text(re.sub(r'(key: "max_conversations" value: \{ string_value: ")[^"]*"', rf'\g<1>{slots}"',
-                             config.read_text()))
+    for stage in ("talker", "code2wav"):
+        config = repository / stage / "config.pbtxt"
+        config.write_text(re.sub(r'(key: "max_conversations" value: \{ string_value: ")[^"]*"', rf'\g<1>{slots}"',
+                                 config.read_text()))
     return repository
 
 
@@ -114,8 +117,15 @@ async def realtime_conversation(base: str, audio: np.ndarray, k: int, n: int) ->
     sent_at, latencies, errors = [], [], []
     async with aiohttp.ClientSession() as http, http.ws_connect(base.replace("http", "ws") + "/v1/realtime") as ws:
         await ws.send_str(json.dumps({"type": "session.update", "session": {"voice": VOICE, "seed": k}}))
-        while json.loads((await ws.receive(timeout=60)).data)["type"] != "session.updated":
-            pass
+        while True:
+            message = await ws.receive(timeout=60)
+            if message.type != aiohttp.WSMsgType.TEXT:
+                return {"sent": frames, "answered": 0, "latencies_ms": [], "error": [f"socket closed: {message.extra}"]}
+            event = json.loads(message.data)
+            if event["type"] == "error":
+                return {"sent": frames, "answered": 0, "latencies_ms": [], "error": [event["error"]["message"]]}
+            if event["type"] == "session.updated":
+                break
         start = time.perf_counter()
 
         async def send():
@@ -156,8 +166,10 @@ async def chat_conversation(base: str, audio: np.ndarray, k: int, n: int) -> dic
     sent_at, latencies, errors, decoded = [], [], [], 0
     url = base.replace("http", "ws") + f"/api/chat?voice_prompt={VOICE}.pt&text_prompt=&seed={k}"
     async with aiohttp.ClientSession() as http, http.ws_connect(url) as ws:
-        if (await ws.receive(timeout=60)).data != b"\x00":
-            raise RuntimeError("no handshake from /api/chat")
+        handshake = await ws.receive(timeout=60)
+        if handshake.data != b"\x00":
+            return {"sent": frames, "answered": 0, "latencies_ms": [],
+                    "error": [f"no handshake: {handshake.data!r} {handshake.extra}"]}
         start = time.perf_counter()
 
         async def send():
@@ -205,15 +217,34 @@ def summarize(conversations: list) -> dict:
                                                           else c.get("error", []))]}
 
 
-def level(url: str, audio: np.ndarray, n: int, rounds: int, protocols: list, log) -> dict:
-    runs = []
+def wait_idle(server, log, timeout_s: float = 90.0) -> None:
+    """Until the talker holds no conversation, so that each run starts with every slot free."""
+    deadline = time.monotonic() + timeout_s
+    while scrape(server.metrics_url).get(ACTIVE, 0) > 0:
+        if time.monotonic() > deadline:
+            log(f"the talker still holds conversations after {timeout_s:g} s; the run starts anyway")
+            return
+        time.sleep(0.5)
+
+
+def log_errors(errors: list, log) -> None:
+    for error in sorted(set(errors))[:3]:
+        log(f"    {errors.count(error)} x {error}")
+
+
+def level(server, audio: np.ndarray, n: int, rounds: int, protocols: list, log) -> dict:
+    url, runs = server.grpc_url, []
     for r in range(rounds):
+        wait_idle(server, log)
         run = {"direct": summarize(direct_run(url, audio, n))}
         log(f"[{n}] round {r + 1} direct: p50 {run['direct']['p50']} p99 {run['direct']['p99']} ms, "
             f"lost {run['direct']['lost']}")
+        log_errors(run["direct"]["errors"], log)
         for protocol in protocols:
+            wait_idle(server, log)
             with gateway(url, n) as base:
                 through = summarize(asyncio.run(gateway_run(base, audio, n, protocol)))
+                log_errors(through["errors"], log)
                 with urllib.request.urlopen(base + "/stats", timeout=5) as reply:
                     own = json.loads(reply.read())
             through["added_ms"] = {q: round(through[q] - own["triton_ms"][q], 2) for q in ("p50", "p95", "p99")}
@@ -330,7 +361,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         with TritonServer(bench_repository(Path(tmp), slots), log_path=Path(tmp) / "tritonserver.log") as server:
             log(f"server ready in {server.ready_s:.1f} s with {slots} talker slots")
-            levels = [level(server.grpc_url, audio, n, args.rounds, args.protocols, log) for n in args.conversations]
+            levels = [level(server, audio, n, args.rounds, args.protocols, log) for n in args.conversations]
     command = "python -m bench.gateway_latency " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"header": {"command": command.strip(), "machine": machine, "commit": args.commit or report.git_commit(),
                          "date": started.isoformat(timespec="seconds"), "load_average_start": load_start,

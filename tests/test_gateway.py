@@ -292,6 +292,12 @@ def test_chat_voice_the_server_does_not_have_is_refused_with_the_servers_words(s
     assert code == 1008 and "GHOST" in reason
 
 
+def test_chat_sampling_setting_out_of_the_talkers_range_is_refused_with_its_words(gateway):
+    messages, code, reason = asyncio.run(chat_refusal(gateway, "?voice_prompt=NATF0.pt&audio_topk=9999"))
+    assert messages[0][:1] == b"\x05" and b"TOP_K must lie in [1, 500], got 9999" in messages[0]
+    assert code == 1008 and "TOP_K" in reason
+
+
 def test_chat_bad_kind_and_oversize_message_are_refused(gateway):
     messages, code, reason = asyncio.run(chat_refusal(gateway, "?voice_prompt=NATF0.pt", send=b"\x09hello"))
     assert messages[-1].startswith(b"\x05message kind 0x09 is not accepted") and code == 1003
@@ -381,6 +387,7 @@ def test_health_voices_and_the_page(gateway):
     status, voices = get_json(gateway + "/api/voices")
     assert status == 200 and voices["voices"] == ["NATF0", "NATM0"] and voices["default_voice"] == "NATF0"
     assert voices["default_prompt"]
+    assert get_json(gateway + "/stats")[1]["connection_cap"] == 64  # the test server's pools are sized at load (auto)
     with urllib.request.urlopen(gateway + "/", timeout=5) as reply:
         assert reply.status == 200 and b"<html" in reply.read().lower()
 

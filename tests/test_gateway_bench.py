@@ -4,9 +4,10 @@ frames, and its table and plot. The benchmark itself runs against a real server 
 from bench import gateway_latency as bench
 
 
-def test_bench_repository_sizes_the_talkers_pool(tmp_path):
-    config = (bench.bench_repository(tmp_path, 16) / "talker" / "config.pbtxt").read_text()
-    assert 'key: "max_conversations" value: { string_value: "16" }' in config
+def test_bench_repository_sizes_both_stages_pools(tmp_path):
+    repository = bench.bench_repository(tmp_path, 16)
+    for stage in ("talker", "code2wav"):
+        assert 'key: "max_conversations" value: { string_value: "16" }' in (repository / stage / "config.pbtxt").read_text()
 
 
 def test_summarize_counts_lost_frames_and_errors():

@@ -36,7 +36,7 @@ class GatewayConfig:
     """triton_url: Triton's gRPC endpoint; triton_tls: None for a plain channel; origins: the
     Origin values allowed to open a socket ("*": any; empty: same-origin pages and clients
     that send no Origin); token: required of every client where set; max_connections: None
-    matches the talker's slots where its configuration says a number, else `fallback_connections`."""
+    matches the stages' slots where their configurations say a number, else `fallback_connections`."""
 
     triton_url: str = "localhost:8001"
     triton_tls: TritonTLS | None = None
@@ -83,10 +83,10 @@ def make_app(config: GatewayConfig) -> web.Application:
         channel = TritonChannel(config.triton_url, config.triton_tls)
         capacity = config.max_connections
         if capacity is None:
-            slots = await channel.talker_capacity()
+            slots = await channel.capacity()
             capacity = slots or config.fallback_connections
-            log.info("connection cap %d (%s)", capacity, "the talker's conversation slots" if slots else
-                     "the talker sizes its pool at load; --max-connections sets it")
+            log.info("connection cap %d (%s)", capacity, "the stages' conversation slots" if slots else
+                     "a stage sizes its pool at load; --max-connections sets it")
         limits = Limits(capacity, config.limits.max_message_bytes, config.limits.audio_burst_s,
                         config.limits.audio_max_ahead_s)
         app[CONTEXT] = GatewayContext(channel, limits, config.voices, ConnectionGate(capacity), FrameTimings())

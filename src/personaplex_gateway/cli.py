@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--token", default=os.environ.get("PERSONAPLEX_GATEWAY_TOKEN"),
                    help="require this bearer token of every client (default: $PERSONAPLEX_GATEWAY_TOKEN; unset: none)")
     p.add_argument("--max-connections", type=int,
-                   help="conversations at once (default: the talker's max_conversations where it is a number, else 64)")
+                   help="conversations at once (default: the stages' max_conversations where they are numbers, else 64)")
     p.add_argument("--max-message-bytes", type=int, default=Limits.max_message_bytes)
     p.add_argument("--audio-burst-s", type=float, default=Limits.audio_burst_s,
                    help="audio ahead of real time that goes to Triton at once (default %(default)s s)")

@@ -26,11 +26,11 @@ from personaplex_stream import contract
 from tritonclient.utils import InferenceServerException
 
 from .framing import FRAME_SAMPLES, FrameBuffer
-from .limits import CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN_LATER, AudioPacer, GatewayError, Limits
+from .limits import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN_LATER, AudioPacer, GatewayError, Limits
 
 log = logging.getLogger("personaplex_gateway")
 
-TALKER_MODEL = "talker"
+STAGES = ("talker", "code2wav")  # each holds its own pool of conversation slots
 END_GRACE_S = 5.0  # after the end request, how long the server may take to finish the stream
 
 
@@ -65,19 +65,23 @@ class TritonChannel:
         except InferenceServerException:
             return False
 
-    async def talker_capacity(self) -> int | None:
-        """The talker's conversation slots, from its model configuration: `max_conversations`
-        times its instances, where the parameter is a number; None where it is `auto` (the
-        server sizes the pool at load) or the configuration cannot be read."""
-        try:
-            config = (await self.client.get_model_config(TALKER_MODEL, as_json=True))["config"]
-        except (InferenceServerException, KeyError):
-            return None
-        value = config.get("parameters", {}).get("max_conversations", {}).get("string_value", "")
-        if not value.isdigit():
-            return None
-        instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
-        return int(value) * instances
+    async def capacity(self) -> int | None:
+        """The conversations the server holds, from its stages' model configurations: the
+        smaller of the talker's and code2wav's `max_conversations` times their instances, where
+        both are numbers; None where one is `auto` (the stage sizes its pool at load) or a
+        configuration cannot be read."""
+        slots = []
+        for model in STAGES:
+            try:
+                config = (await self.client.get_model_config(model, as_json=True))["config"]
+            except (InferenceServerException, KeyError):
+                return None
+            value = config.get("parameters", {}).get("max_conversations", {}).get("string_value", "")
+            if not value.isdigit():
+                return None
+            instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
+            slots.append(int(value) * instances)
+        return min(slots)
 
     async def close(self) -> None:
         await self.client.close()
@@ -135,7 +139,9 @@ _OUTPUTS = (contract.AUDIO_OUT, contract.TEXT_OUT)
 def _error_code(message: str) -> tuple[str, int]:
     """The code and close code of an error the server sent."""
     if "unknown voice" in message:
-        return "unknown_voice", 1008
+        return "unknown_voice", CLOSE_POLICY
+    if "must lie in" in message or "must be a finite number" in message:  # a sampling setting out of range
+        return "invalid_parameter", CLOSE_POLICY
     if "slots are busy" in message or "shutting down" in message:
         return "server_full", CLOSE_TRY_AGAIN_LATER
     return "server_error", CLOSE_SERVER_ERROR
@@ -189,10 +195,9 @@ class TritonSession:
     def feed(self, samples: np.ndarray, received_at: float) -> None:
         """Queue the client's audio (float32, 24 kHz mono) from a message received at `received_at`
         (perf_counter, before it was decoded); GatewayError where it comes too fast."""
-        now = received_at
         for frame in self._frames.push(samples):
-            self._pacer.arrive(self._frames_fed, now)
-            self._queue.put_nowait(_Frame(self._frames_fed, frame, now))
+            self._pacer.arrive(self._frames_fed, received_at)
+            self._queue.put_nowait(_Frame(self._frames_fed, frame, received_at))
             self._frames_fed += 1
 
     async def answers(self) -> AsyncIterator[Answer]:

@@ -162,16 +162,18 @@ def test_a_conversation_in_the_page(page, gateway):
     page.wait_for_function(f"window.personaplex.framesSent >= {TALK_S * FRAMES_PER_S} && "
                            f"window.personaplex.framesReceived >= {(TALK_S - 2) * FRAMES_PER_S}",
                            timeout=ANSWERS_TIMEOUT_MS)
+    # What arrived goes through the jitter buffer to the speakers (played, or dropped past its
+    # bound): all but what it holds (at most 600 ms) and the player's last report (100 ms) miss.
+    page.wait_for_function("window.personaplex.framesPlayed + window.personaplex.framesDropped >= "
+                           "window.personaplex.framesReceived - 10", timeout=30_000)
     if os.environ.get(SCREENSHOT_ENV):
         page.screenshot(path=os.environ[SCREENSHOT_ENV])
     page.click("#stop")
     page.wait_for_function("window.personaplex.state === 'ended'")
     ended = state(page)
 
-    assert ended["elapsedS"] >= TALK_S
-    # What arrived went through the jitter buffer to the speakers (played, or dropped where
-    # more than its bound queued), and the agent's (random-weight) audio was far from silence.
-    assert ended["framesPlayed"] + ended["framesDropped"] >= ended["framesReceived"] - 10
+    assert ended["elapsedS"] >= TALK_S - 1  # by the page's clock; the fake microphone's runs on its own
+    # The agent's (random-weight) audio was played, far from silence.
     assert ended["framesPlayed"] >= TALK_S / 2 * FRAMES_PER_S
     assert ended["peak"] > 0.01, f"the agent's audio reached the speakers silent (peak {ended['peak']})"
     assert ended["samplesPlayed"] >= ended["framesPlayed"] * 1920

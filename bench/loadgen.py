@@ -176,6 +176,7 @@ def conversations(url: str, talks: list[Talk], log: Log) -> tuple[list[Outcome],
     outcomes = [Outcome(t) for t in talks]
     clock = time.monotonic()
     every = max(25, (talks[0].aged + talks[0].frames) // 10)
+    speech = {count: workload.frames(count) for count in {t.aged + t.frames for t in talks}}  # shared, read only
 
     def progress(frame):
         if (frame.index + 1) % every == 0 or frame.index + 1 == frame.total:
@@ -189,7 +190,7 @@ def conversations(url: str, talks: list[Talk], log: Log) -> tuple[list[Outcome],
             arrived.append(True)
             line.arrive()
 
-        audio = workload.frames(talk.aged + talk.frames)
+        audio = speech[talk.aged + talk.frames]
         try:
             if talk.aged:
                 outcome.result, outcome.aged_s = _aged_conversation(audio, url, talk, arrive, line, on_frame)

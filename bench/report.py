@@ -52,8 +52,8 @@ def mimi_runtimes_in_log(server_log: Path) -> dict[str, str]:
 
 def server_info(url: str, server_log: Path | None = None) -> dict:
     """What the server says of itself: Triton version, and per stage its config parameters
-    (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype). With the server's log at hand, the Mimi
-    runtime is the one each stage says it runs ("auto: onnxruntime")."""
+    (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype). With the server's
+    log at hand, the Mimi runtime is the one each stage says it runs ("auto: onnxruntime")."""
     client = grpcclient.InferenceServerClient(url=url)
     log = Path(server_log).read_text(errors="replace") if server_log is not None else ""
     running = mimi_runtimes_in_log(server_log) if server_log is not None else {}

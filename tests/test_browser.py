@@ -212,6 +212,33 @@ def test_an_unknown_voice_shows_the_servers_message(page, gateway):
     assert page.is_visible("#start") and page.is_enabled("#start") and not page.is_visible("#stop")
 
 
+# Holds getUserMedia's answer for a second (a person reading the browser's prompt) and keeps
+# the streams it gave, to see whether the page let go of the microphone.
+SLOW_MICROPHONE = """{
+  window.streamsGiven = [];
+  const native = navigator.mediaDevices.getUserMedia.bind(navigator.mediaDevices);
+  navigator.mediaDevices.getUserMedia = async (constraints) => {
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+    const stream = await native(constraints);
+    window.streamsGiven.push(stream);
+    return stream;
+  };
+}"""
+
+
+def test_cancel_while_the_microphone_is_asked_for(page, gateway):
+    page.add_init_script(SLOW_MICROPHONE)
+    open_ready(page, gateway)
+    page.click("#start")
+    assert state(page)["state"] == "connecting" and page.text_content("#stop") == "Cancel"
+    page.click("#stop")
+    page.wait_for_function("window.streamsGiven.length === 1", timeout=30_000)
+    page.wait_for_timeout(500)
+    assert state(page)["state"] == "ended" and state(page)["framesSent"] == 0
+    assert page.evaluate("window.streamsGiven[0].getTracks().map((track) => track.readyState)") == ["ended"]
+    assert page.is_visible("#start") and not page.is_visible("#stop")
+
+
 def test_the_pages_token_reaches_the_socket(page, gateway_with_token):
     """Without a token the gateway refuses the socket at its upgrade, and the page shows its
     reason; with the page's own ?token= the conversation starts."""

@@ -51,7 +51,7 @@ function showError(message) {
 }
 
 function setControls() {
-  const active = conversation && ["connecting", "loading", "live"].includes(conversation.state);
+  const active = conversation !== null && ["connecting", "loading", "live"].includes(conversation.state);
   // One main button: start, or while a conversation is on, end it (cancel before it is live).
   ui.start.hidden = active;
   ui.start.disabled = !serverReady;
@@ -59,10 +59,10 @@ function setControls() {
   ui.stop.disabled = !active;
   ui.stop.textContent = conversation && conversation.state === "live" ? "End conversation" : "Cancel";
   for (const input of [ui.voice, ui.prompt, ui.seed]) input.disabled = active || !serverReady;
-  const recorded = conversation && !active && conversation.agentFrames.length > 0;
-  ui.downloadAudio.disabled = !recorded;
-  ui.downloadText.disabled = !(conversation && !active && conversation.transcript);
-  ui.start.textContent = conversation && !active ? "Start again" : "Start conversation";
+  const over = conversation !== null && !active;
+  ui.downloadAudio.disabled = !(over && conversation.agentFrames.length > 0);
+  ui.downloadText.disabled = !(over && conversation.transcript);
+  ui.start.textContent = over ? "Start again" : "Start conversation";
 }
 
 async function loadVoices() {

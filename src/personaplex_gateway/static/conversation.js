@@ -57,7 +57,7 @@ function median(values) {
 // A 24 kHz context resamples the microphone for us. A browser that refuses the rate, or
 // refuses to join a microphone of another rate to it (Firefox), gets its own rate instead:
 // the worklets resample then.
-async function openAudio(stream) {
+async function audioContextFor(stream) {
   for (const options of [{ sampleRate: WIRE_RATE, latencyHint: "interactive" }, { latencyHint: "interactive" }]) {
     let context;
     try {
@@ -115,17 +115,30 @@ export class Conversation extends EventTarget {
       this.stream = await navigator.mediaDevices.getUserMedia({
         audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
       });
-      const { context, microphone } = await openAudio(this.stream);
-      this.context = context;
-      this.microphone = microphone;
     } catch (error) {
       this.fail(`Microphone unavailable: ${error.message || error}`);
       return;
     }
-    if (this.state !== "connecting") return;  // stopped meanwhile
-    this.capture = new AudioWorkletNode(this.context, "capture-processor", { numberOfOutputs: 0 });
+    try {
+      await this.openAudio();
+    } catch (error) {
+      this.fail(`Audio unavailable: ${error.message || error}`);
+      return;
+    }
+    if (this.state !== "connecting") {  // cancelled meanwhile
+      this.teardown();
+      return;
+    }
+    this.connect();
+  }
+
+  async openAudio() {
+    const { context, microphone } = await audioContextFor(this.stream);
+    this.context = context;
+    this.microphone = microphone;
+    this.capture = new AudioWorkletNode(context, "capture-processor", { numberOfOutputs: 0 });
     this.capture.port.onmessage = (event) => this.sendFrame(event.data);
-    this.player = new AudioWorkletNode(this.context, "playback-processor", {
+    this.player = new AudioWorkletNode(context, "playback-processor", {
       numberOfInputs: 0,
       outputChannelCount: [1],
       processorOptions: { targetMs: JITTER_TARGET_MS, maxMs: JITTER_MAX_MS },
@@ -134,9 +147,8 @@ export class Conversation extends EventTarget {
       this.playback = event.data;
       this.dispatchEvent(new Event("playback"));
     };
-    this.player.connect(this.context.destination);
-    await this.context.resume();
-    this.connect();
+    this.player.connect(context.destination);
+    await context.resume();
   }
 
   connect() {

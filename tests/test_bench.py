@@ -224,6 +224,17 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
 
 
 @pytest.mark.integration
+def test_a_level_past_the_pool_counts_its_refused_start_and_fails_none(server):
+    """One conversation more than the talker's slots: the server's refusal is recognised as one
+    at capacity, counted, and not a failed start under capacity."""
+    pool = report.server_info(server.grpc_url, server.log_path)["talker"]["max_conversations"]
+    [row] = loadgen.sweep(server.grpc_url, 4, [pool + 1], log=lambda _: None, pool=pool)
+    assert (row["failed"], row["refused_at_capacity"], row["failed_under_capacity"]) == (1, 1, 0)
+    assert f"1 starts refused at capacity (pool {pool})" in row["why"] and row["frames"] == 4 * pool
+    assert [c["error"] is not None for c in row["per_conversation"]].count(True) == 1
+
+
+@pytest.mark.integration
 def test_perf_analyzer_against_the_server(server, tmp_path):
     try:
         perf_analyzer.check()

@@ -131,7 +131,7 @@ def main():
     from personaplex_triton.core import loaders
     from personaplex_triton.lm import kv_cache
     from personaplex_triton.mimi.runtime import TorchStepRunner
-    from personaplex_triton.stages.code2wav import Code2Wav
+    from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame
     from personaplex_triton.stages.persona import VoicePrompt
     from personaplex_triton.stages.talker import conversation_bytes, conversations_that_fit
 
@@ -192,7 +192,7 @@ def main():
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         decoder = Code2Wav(TorchStepRunner("decoder", mimi, cuda_graphs=graphs), slots)
-        codes = {s: rng.integers(0, 2048, 8) for s in range(slots)}
+        codes = {s: CodesFrame(rng.integers(0, 2048, 8)) for s in range(slots)}
         for s in range(slots):
             decoder.start(s)
         code2wav.append({"slots": slots, "code2wav_tick_ms": timed(lambda: decoder.tick(codes), args.steps),

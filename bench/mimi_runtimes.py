@@ -157,7 +157,7 @@ def moshi_label(threads: int) -> str:
 def time_frame_budget(files, ticks) -> dict:
     """One live conversation of the embedded default, as served: its stages' ticks."""
     from personaplex_triton.lm.sampling import SamplingParams
-    from personaplex_triton.stages.code2wav import Code2Wav
+    from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame
     from personaplex_triton.stages.persona import Persona, VoicePrompt
     from personaplex_triton.stages.talker import Talker, TalkerSetup
 
@@ -174,7 +174,7 @@ def time_frame_budget(files, ticks) -> dict:
     talker.close()
     code2wav = Code2Wav(decoder, 1)
     code2wav.start(0)
-    codes = {0: rng.integers(0, 2048, 8)}
+    codes = {0: CodesFrame(rng.integers(0, 2048, 8))}
     decode_ms = median_ms(lambda: code2wav.tick(codes), ticks)
     total = round(talker_ms + decode_ms, 2)
     return {"encoder": encoder.runtime, "decoder": decoder.runtime, "encode_after": encode_after,

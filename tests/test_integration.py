@@ -43,7 +43,7 @@ def in_process(server, tiny_checkpoint):
     """The same two stages run in this process, without Triton, at the server's pool sizes."""
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.mimi.runtime import open_step
-    from personaplex_triton.stages.code2wav import Code2Wav
+    from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame
     from personaplex_triton.stages.persona import PersonaLibrary
     from personaplex_triton.stages.talker import Talker, TalkerSetup
 
@@ -60,7 +60,7 @@ def in_process(server, tiny_checkpoint):
         out, text = [], []
         while len(out) < len(frames):
             step = talker.tick({0: frames[len(out)]})[0]
-            out.append(decoder.tick({0: step.codes})[0])
+            out.append(decoder.tick({0: CodesFrame(step.codes)})[0])
             text.append(talker.text_piece(step.text_token))
         talker.stop(0)
         return np.concatenate(out), text

@@ -48,21 +48,33 @@ def test_a_tick_carries_each_waiting_conversations_next_frame_at_once():
     assert scheduler.schedule() is None
 
 
-def test_a_gathering_tick_waits_for_a_quiet_gap_at_most_its_bound():
+def test_a_gathering_tick_waits_for_the_rest_of_the_oldest_frames_group_at_most_its_bound():
+    """code2wav's way: items name their group (the talker tick that answered them) and its size;
+    a tick waits until the oldest item's group is all there, or gather_max_s has passed."""
     clock = Clock()
-    table = table_with(3)
-    scheduler = Scheduler(table, gather_quiet_s=0.001, gather_max_s=0.003, clock=clock)
-    queue(table, 0, clock)
-    assert scheduler.due_in() == pytest.approx(0.001)
+    table = table_with(4)
+    scheduler = Scheduler(table, gather=lambda item: item, gather_max_s=0.02, clock=clock)
+
+    def arrive(key, group):
+        conv = table.conversation(key)
+        table.enqueue(conv, Request([group], None, None), close=False, first_index=None)
+        request, item, _ = conv.queue[-1]
+        conv.queue[-1] = (request, item, clock())
+
+    arrive(0, (7, 3))
+    clock.now += 0.0005
+    arrive(1, (7, 3))
+    assert scheduler.due_in() == pytest.approx(0.0195) and scheduler.schedule() is None
+    clock.now += 0.0005
+    arrive(2, (7, 3))  # the group is whole
+    assert scheduler.due_in() == 0
+    assert sorted(scheduler.schedule().items) == [0, 1, 2]
+    arrive(3, (8, 2))  # its other frame never comes: the bound
+    clock.now += 0.019
     assert scheduler.schedule() is None
-    clock.now += 0.0008
-    queue(table, 1, clock)  # the burst goes on: the quiet gap starts again
-    assert scheduler.due_in() == pytest.approx(0.001)
     clock.now += 0.0011
-    assert sorted(scheduler.schedule().items) == [0, 1]
-    for _ in range(10):  # a steady trickle: the oldest frame waits no longer than gather_max_s
-        queue(table, 2, clock)
-        clock.now += 0.0005
+    assert sorted(scheduler.schedule().items) == [3]
+    arrive(0, None)  # an item of no group goes at once
     assert scheduler.due_in() == 0
 
 

@@ -2,6 +2,7 @@
 
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +76,41 @@ def test_code2wav_keeps_state_per_conversation(code2wav):
         again.append(decode(code2wav, 1, i, c)[0][0][contract.AUDIO_OUT])
     np.testing.assert_allclose(np.stack(again), np.stack(first), atol=1e-5)
     assert not np.allclose(first[1], first[2])
+
+
+def test_code2wav_decodes_a_talker_ticks_frames_in_one_tick(code2wav):
+    """Frames of one talker tick (seam.TICK) arriving apart, as its answers leave one by one,
+    make one decoder tick once the last has come."""
+    ticks = []
+    decoder_tick = code2wav.decoder.tick
+    code2wav.decoder.tick = lambda items: (ticks.append(len(items)), decoder_tick(items))[1]
+    try:
+        results = []
+        for conversation in (11, 12):
+            arrays = {seam.AGENT_CODES: np.ones(8, np.int64), seam.CONVERSATION_ID: np.array([conversation], np.uint64),
+                      seam.FRAME_INDEX: np.array([0], np.int64), seam.FINAL: np.array([True]),
+                      seam.TICK: np.array([77, 2], np.int64)}
+            done = threading.Event()
+            code2wav.handle(arrays, lambda outputs, _last: results.append(outputs), lambda e, d=done: d.set())
+            time.sleep(0.005)  # longer than a quiet gap, well inside the gather's bound
+            results.append(done)
+        for done in results[1::2]:
+            assert done.wait(30)
+        assert ticks == [2]
+    finally:
+        code2wav.decoder.tick = decoder_tick
+
+
+@pytest.mark.parametrize("tick, message", [
+    (np.array([1, 0], np.int64), r"TICK must be INT64 \[2\]: a talker tick's id and its frames \(>= 1\)"),
+    (np.array([1, 2, 3], np.int64), "TICK must be INT64"),
+])
+def test_code2wav_refuses_a_bad_tick(code2wav, tick, message):
+    out, errors, done = [], [], threading.Event()
+    arrays = {seam.AGENT_CODES: np.ones(8, np.int64), seam.CONVERSATION_ID: np.array([5], np.uint64),
+              seam.FRAME_INDEX: np.array([0], np.int64), seam.FINAL: np.array([True]), seam.TICK: tick}
+    code2wav.handle(arrays, lambda outputs, _last: out.append(outputs), lambda e: (errors.append(e), done.set()))
+    assert done.wait(30) and out == [] and re.search(message, errors[0])
 
 
 @pytest.mark.parametrize("codes, frame_index, message", [

@@ -17,6 +17,8 @@ FRAME_INDEX = "FRAME_INDEX"          # 0 for the conversation's first frame (dec
                                      # follow in order (a gap ends the conversation with an error)
 FINAL = "FINAL"                      # true on the conversation's last frame (state freed)
 TEXT_PIECE = "TEXT_PIECE"            # the frame's text, passed through to the client
+TICK = "TICK"                        # (id, frames) of the talker tick that answered the frame:
+                                     # code2wav's tick waits for all of them (engine/scheduler.py)
 
 TENSORS = (
     TensorSpec(AGENT_CODES, "INT64", (NUM_AGENT_CODEBOOKS,)),
@@ -24,8 +26,12 @@ TENSORS = (
     TensorSpec(FRAME_INDEX, "INT64", (1,)),
     TensorSpec(FINAL, "BOOL", (1,)),
     TensorSpec(TEXT_PIECE, "BYTES", (1,), optional=True),  # code2wav answers "" without it
+    TensorSpec(TICK, "INT64", (2,), optional=True),  # without it, code2wav's tick does not wait
 )
 
 # FRAME_INDEX of a close marker: no frame (AGENT_CODES ignored, no audio out), only FINAL, for a
 # conversation whose end request carried no frames.
 CLOSE_ONLY = -1
+
+# TICK of a frame that no talker tick answered with others (a close marker): a group of one.
+ALONE = (0, 1)

@@ -6,9 +6,12 @@ runs exactly those rows: a compact tick, lm/slot_states.py). A tick starts as so
 waits: in the H200's tick model (shared/tools/tick_sim.py) such ticks regulate themselves (a
 longer tick lets more frames gather for the next, so batches grow with load), and waiting for
 deadlines added latency and gained nothing. A stage whose frames arrive one response at a
-time from the other stage's tick (code2wav) can gather: its tick waits until no frame has
-come for `gather_quiet_s`, at most `gather_max_s` after the oldest, so one talker tick makes
-one decoder tick, not several fragments.
+time from another stage's tick (code2wav: a talker tick's answers leave one by one, about
+half a millisecond apart) gathers them: `gather(item)` names the item's group and its size
+(the talker tick that answered it, and how many frames that tick answered), and a tick waits
+until the oldest waiting item's group has all arrived, at most `gather_max_s` (a frame of the
+group may never come: its conversation ended). One talker tick then makes one decoder tick,
+not a few fragments that each take the GPU from the talker.
 
 `record()` takes each tick's frames and duration: frames per tick, ticks per second and the
 busy fraction (the stage's time in ticks over wall time), and a linear tick-cost model
@@ -21,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from .conversations import ConversationTable
 
@@ -88,16 +92,16 @@ class TickModel:
 
 
 class Scheduler:
-    def __init__(self, table: ConversationTable, gather_quiet_s: float = 0.0, gather_max_s: float = 0.0,
-                 admission_tick_s: float = 0.0, clock=time.time):
-        """`gather_quiet_s`, `gather_max_s`: how a tick gathers frames (the module docstring;
-        0: it starts as soon as one waits). `admission_tick_s`: a new conversation is refused
+    def __init__(self, table: ConversationTable, gather: Callable[[Any], tuple[int, int] | None] | None = None,
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, clock=time.time):
+        """`gather`, `gather_max_s`: how a tick gathers frames (the module docstring; None: it
+        starts as soon as one waits). `admission_tick_s`: a new conversation is refused
         when the tick model says the live ones and it would settle at ticks longer than this
         (a frame waits up to one tick and is answered at the end of the next: about two
         ticks); 0: no admission by time. `clock`: the wall clock, which the queue's items are
         stamped with (for the frame trace)."""
         self._table = table
-        self.gather_quiet_s = gather_quiet_s
+        self.gather = gather
         self.gather_max_s = gather_max_s
         self.admission_tick_s = admission_tick_s
         self._clock = clock
@@ -109,14 +113,18 @@ class Scheduler:
     def due_in(self) -> float | None:
         """Seconds until the next tick is due: 0 now, None while no frame waits."""
         now = self._clock()
-        queued = [conv.queue for conv in self._table.live() if conv.queue]
-        if not queued:
+        queues = [conv.queue for conv in self._table.live() if conv.queue]
+        if not queues:
             return None
-        if self.gather_max_s <= 0:
+        if self.gather is None:
             return 0.0
-        oldest = min(queue[0][2] for queue in queued)
-        newest = max(queue[-1][2] for queue in queued)
-        return max(0.0, min(oldest + self.gather_max_s, newest + self.gather_quiet_s) - now)
+        _, item, queued = min((queue[0] for queue in queues), key=lambda entry: entry[2])
+        group = self.gather(item)
+        if group is None:
+            return 0.0
+        key, size = group
+        arrived = sum(1 for queue in queues for _, other, _ in queue if (self.gather(other) or (None,))[0] == key)
+        return 0.0 if arrived >= size else max(0.0, queued + self.gather_max_s - now)
 
     def schedule(self) -> TickPlan | None:
         """The next tick, if one is due: every waiting conversation's next frame."""

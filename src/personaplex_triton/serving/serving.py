@@ -227,7 +227,7 @@ class TalkerService:
             return
         def on_output(step, index, last):
             send(seam_frame(conversation, index, end and last, step.codes.astype(np.int64),
-                            self.talker.text_piece(step.text_token)), last)
+                            self.talker.text_piece(step.text_token), step.tick), last)
 
         def finish_with_close(error):
             """An end request without frames: code2wav hears of the end through a close marker."""
@@ -267,13 +267,15 @@ class TalkerService:
         self.metrics.close()
 
 
-def seam_frame(conversation: int, index: int, final: bool, codes: np.ndarray, text: str) -> dict:
+def seam_frame(conversation: int, index: int, final: bool, codes: np.ndarray, text: str,
+               tick: tuple[int, int] = seam.ALONE) -> dict:
     return {
         seam.AGENT_CODES: codes,
         seam.CONVERSATION_ID: np.array([conversation], dtype=np.uint64),
         seam.FRAME_INDEX: np.array([index], dtype=np.int64),
         seam.FINAL: np.array([final], dtype=bool),
         seam.TEXT_PIECE: np.array([text.encode()], dtype=np.object_),
+        seam.TICK: np.array(tick, dtype=np.int64),
     }
 
 
@@ -283,7 +285,7 @@ class Code2WavService:
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, metrics: Metrics | None = None):
         from ..mimi.runtime import open_step
-        from ..stages.code2wav import Code2Wav
+        from ..stages.code2wav import Code2Wav, tick_group
 
         self.metrics = metrics or Metrics()
         use_device_threads(device)
@@ -297,10 +299,11 @@ class Code2WavService:
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics,
-                                 gather_quiet_s=loaders.CODE2WAV_GATHER_QUIET_S,
-                                 gather_max_s=loaders.CODE2WAV_GATHER_MAX_S)
+                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
+        from ..stages.code2wav import CodesFrame
+
         try:
             codes = arrays.get(seam.AGENT_CODES)
             if codes is None or codes.shape != (seam.NUM_AGENT_CODEBOOKS,) or codes.dtype != np.int64:
@@ -313,6 +316,9 @@ class Code2WavService:
             if conversation is None or frame_index is None or final is None:
                 raise InputError(f"{seam.CONVERSATION_ID}, {seam.FRAME_INDEX} and {seam.FINAL} are required")
             text = arrays.get(seam.TEXT_PIECE)
+            tick = arrays.get(seam.TICK)
+            if tick is not None and (tick.shape != (2,) or tick.dtype != np.int64 or tick[1] < 1):
+                raise InputError(f"{seam.TICK} must be INT64 [2]: a talker tick's id and its frames (>= 1)")
             if frame_index == seam.CLOSE_ONLY:
                 if final and self.engine.is_open(conversation):
                     self.engine.submit(conversation, [], None, finish, close=True)
@@ -330,7 +336,8 @@ class Code2WavService:
             send({contract.AUDIO_OUT: pcm.astype(np.float32), contract.TEXT_OUT: text_out}, last)
 
         try:
-            self.engine.submit(conversation, [codes], on_output, finish, close=final, first_index=frame_index)
+            frame = CodesFrame(codes, None if tick is None else (int(tick[0]), int(tick[1])))
+            self.engine.submit(conversation, [frame], on_output, finish, close=final, first_index=frame_index)
         except ConversationError as exc:
             refuse(finish, exc, self.metrics)
 

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..mimi.runtime import StepRunner
 from ..mimi.stream import MimiSlots
+
+
+@dataclass(frozen=True)
+class CodesFrame:
+    """One frame to decode: the agent's codes [8], and the talker tick that answered it
+    ((id, frames it answered); None: unknown), which the engine's scheduler gathers by."""
+
+    codes: np.ndarray
+    tick: tuple[int, int] | None = None
+
+
+def tick_group(frame: CodesFrame) -> tuple[int, int] | None:
+    """The scheduler's `gather` for code2wav: a frame's talker tick."""
+    return frame.tick
 
 
 class Code2Wav:
@@ -26,5 +42,5 @@ class Code2Wav:
     def stop(self, slot: int) -> None:
         pass  # the next start resets the row
 
-    def tick(self, items: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        return self.mimi.decode(items)
+    def tick(self, items: dict[int, CodesFrame]) -> dict[int, np.ndarray]:
+        return self.mimi.decode({slot: frame.codes for slot, frame in items.items()})

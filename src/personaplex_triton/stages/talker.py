@@ -10,8 +10,10 @@ for the Mimi decoder.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import secrets
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -84,10 +86,12 @@ class TalkerSetup:
 
 @dataclass
 class AgentStep:
-    """One step's output for a slot: agent codes [8] (int64) and the text token."""
+    """One step's output for a slot: agent codes [8] (int64), the text token, and the tick that
+    answered it: (its id, how many frames it answered), which the decoder's tick waits for."""
 
     codes: np.ndarray
     text_token: int
+    tick: tuple[int, int] = (0, 0)
 
 
 class PersonaCache:
@@ -147,6 +151,8 @@ class Talker:
             if encode_after else None
         self._encodings: list[tuple] = []  # encodes not yet written: (future of their codes, slots, positions)
         self._unencoded: dict[int, str] = {}  # slot -> why its last frame has no user codes
+        # tick ids unique across the talker instances that share a decoder: a random high half
+        self._ticks = itertools.count(secrets.randbits(30) << 32)
 
     def close(self) -> None:
         self.settle()
@@ -284,8 +290,9 @@ class Talker:
         positions = self.generator.grid.offset[slots].clone() if later else None  # before the step moves them
         tokens, has_output, _ = self.generator.step(inputs)
         tokens, has_output = tokens[:len(slots)].cpu().numpy(), has_output[:len(slots)].cpu().numpy()
-        answers = {s: AgentStep(tokens[i, 1:1 + NUM_AUDIO].copy(), int(tokens[i, 0]))
-                   for i, s in enumerate(slots) if has_output[i]}
+        answered = [(i, s) for i, s in enumerate(slots) if has_output[i]]
+        tick = (next(self._ticks), len(answered))
+        answers = {s: AgentStep(tokens[i, 1:1 + NUM_AUDIO].copy(), int(tokens[i, 0]), tick) for i, s in answered}
         if later:  # once the answers are out of the step, which the encode would otherwise delay
             self._encodings.append((self._encoder.submit(self.mimi.encode, user_frames), slots, positions))
         return answers

@@ -6,7 +6,7 @@ CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: all venv checkpoint export demo serve test bench soak bench-deps deploy-deps configs gpu-bundle clean
+.PHONY: all venv checkpoint export demo serve test bench soak bench-deps deploy-deps browser-deps configs gpu-bundle web clean
 
 all: test
 
@@ -36,7 +36,7 @@ demo: export
 serve: export
 	$(PY) -m personaplex_triton.serving.launch
 
-test: export bench-deps deploy-deps
+test: export bench-deps deploy-deps browser-deps
 	$(VENV)/bin/lint-imports  # the library's layers (pyproject.toml's [tool.importlinter])
 	$(PY) -m pytest -q
 
@@ -58,6 +58,11 @@ $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[bench]'
 	touch $@
 
+# tritonserver on the default checkpoint and the gateway in front of it, together: prints the page's URL
+# (http://localhost:8080/), Ctrl-C stops both (scripts/web.py -h; WEB_ARGS="--port 8090").
+web: export
+	$(PY) scripts/web.py $(WEB_ARGS)
+
 # The wheels a GPU host with numpy 2 and no Triton needs (the lent H200), for Python 3.12, in two
 # parts under build/gpu-bundle/; scripts/gpu_host.sh installs them there (README: GPU serving).
 gpu-bundle:
@@ -73,6 +78,12 @@ deploy-deps: $(VENV)/.deploy-installed
 $(VENV)/.deploy-installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[deploy]'
 	touch $@
+
+# The browser test's Chromium: Debian's, driven by Playwright (the test extra), whose own browser
+# download is not reachable here. Installed once, through sudo unless root.
+browser-deps:
+	dpkg -s chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 # model_repository/*/config.pbtxt from the wire contract (client/personaplex_stream/contract.py, seam.py); a test checks them.
 configs: venv

@@ -251,8 +251,8 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
           trace_dir=None, gpu_memory=None) -> list[dict]:
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
-    frames are followed through the stages, and each stage's ticks over the level's paced part
-    counted (bench.ticks). `gpu_memory()`: GiB in use, sampled at the end of each level."""
+    frames are followed through the stages (not with an aged start), and each stage's ticks over
+    the level's paced part counted (bench.ticks). `gpu_memory()`: GiB in use, sampled at the end of each level."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
@@ -263,7 +263,8 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
         row = load_row(n, outcomes, go, pool)
         served = [o.result for o in outcomes if o.error is None]
         if trace_dir is not None and served:
-            row["trace"] = trace.breakdown(trace_dir, served)
+            if not aged:  # the breakdown follows a conversation's frames from its first: aged ones would swamp it
+                row["trace"] = trace.breakdown(trace_dir, served)
             row["ticks"] = ticks.stage_ticks(trace_dir, go, max(r.started_at + r.wall_s for r in served))
         if gpu_memory is not None:
             row["gpu_memory_gib"] = gpu_memory()

@@ -252,6 +252,9 @@ def _load_section(result: dict) -> list[str]:
               + ("" if not aged else " (aged context)"), ""]
     lines += _windows_table(rows)
     lines += _ticks_table(rows)
+    if aged and any(r.get("ticks") for r in rows):
+        lines += ["Where a frame's time goes, segment by segment, is left out with an aged context: the traces "
+                  "follow a conversation's frames from its first, and its unpaced ones would swamp the paced.", ""]
     traced = [r for r in rows if r.get("trace", {}).get("frames_traced")]
     if traced:
         from personaplex_triton.core.trace import SEGMENTS
@@ -259,8 +262,7 @@ def _load_section(result: dict) -> list[str]:
         lines += ["### Where a frame's time goes", "",
                   "From the stages' frame traces (`PERSONAPLEX_TRACE_DIR`) and the client's send and "
                   "receive times, one clock: median (p99) ms of each segment of a frame's trip; then each "
-                  "stage's tick over the ticks that took these frames, and the frames per tick"
-                  + (" (with an aged context these include the unpaced frames)." if aged else "."), "",
+                  "stage's tick over the ticks that took these frames, and the frames per tick.", "",
                   "| segment | " + " | ".join(f"{r['conversations']} conv." for r in traced) + " |",
                   "| --- |" + " ---: |" * len(traced)]
         for name, _, _ in SEGMENTS:

@@ -217,7 +217,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert talker["ticks"] > 0 and 0 < talker["busy_fraction"] <= 1
     # 2 conversations at once, 3 where a late seat overlaps the next
     assert 1 <= talker["frames_per_tick_mean"] <= talker["frames_per_tick_max"] <= 3
-    assert row["trace"]["segments_ms"]["talker tick"]["p50"] > 0
+    assert "trace" not in row  # the segments would count the aged frames; the ticks above do not
     text = (tmp_path / saved.name.replace(".json", ".md")).read_text()
     assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
     assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()
@@ -226,12 +226,15 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
 @pytest.mark.integration
 def test_a_level_past_the_pool_counts_its_refused_start_and_fails_none(server):
     """One conversation more than the talker's slots: the server's refusal is recognised as one
-    at capacity, counted, and not a failed start under capacity."""
+    at capacity, counted, and not a failed start under capacity; the served frames are traced."""
     pool = report.server_info(server.grpc_url, server.log_path)["talker"]["max_conversations"]
-    [row] = loadgen.sweep(server.grpc_url, 4, [pool + 1], log=lambda _: None, pool=pool)
+    [row] = loadgen.sweep(server.grpc_url, 4, [pool + 1], log=lambda _: None, pool=pool, trace_dir=server.trace_dir)
     assert (row["failed"], row["refused_at_capacity"], row["failed_under_capacity"]) == (1, 1, 0)
     assert f"1 starts refused at capacity (pool {pool})" in row["why"] and row["frames"] == 4 * pool
     assert [c["error"] is not None for c in row["per_conversation"]].count(True) == 1
+    # every served frame followed through both stages
+    assert row["trace"]["frames_traced"] == row["frames"] and row["trace"]["segments_ms"]["talker tick"]["p50"] > 0
+    assert row["ticks"]["code2wav"]["ticks"] > 0
 
 
 @pytest.mark.integration

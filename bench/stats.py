@@ -79,9 +79,11 @@ def held(summary: dict, conversations: int, pool: int | None, errors: Sequence[s
                             f"({summary['late'] / summary['frames']:.2%}, more than {HELD_LATE_FRACTION:.1%})")
         if summary["over_160"]:
             not_held.append(f"{summary['over_160']} frames over {HELD_MAX_MS:g} ms (max {summary['max']} ms)")
-    if failed:
-        pool_said = "" if pool is not None or not refused else " (pool size unknown: give --server-log)"
-        not_held.append(f"{failed} failed starts under capacity{pool_said}")
+    if len(errors) > len(refused):
+        not_held.append(f"{len(errors) - len(refused)} conversations failed, not refused at capacity")
+    if refused and not past_pool:  # e.g. an admission by time that refuses before the pool is full
+        within = f"within the pool of {pool}" if pool is not None else "with the pool size unknown (give --server-log)"
+        not_held.append(f"{len(refused)} starts refused at capacity {within}: failed starts under capacity")
     notes = [f"{len(refused)} starts refused at capacity (pool {pool})"] if refused and past_pool else []
     if not_held:
         why = "; ".join(not_held + notes)

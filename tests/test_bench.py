@@ -95,10 +95,12 @@ def test_held_follows_issue_25s_bar():
     assert past_pool["why"].endswith("; 2 starts refused at capacity (pool 4)")
     within_pool = stats.held(good, 4, 4, [refused])
     assert not within_pool["held"] and within_pool["failed_under_capacity"] == 1
+    assert within_pool["why"] == "1 starts refused at capacity within the pool of 4: failed starts under capacity"
     unknown_pool = stats.held(good, 6, None, [refused])
     assert not unknown_pool["held"] and "pool size unknown" in unknown_pool["why"]
     broken = stats.held(good, 6, 4, ["the stream broke"])
-    assert not broken["held"] and broken["why"].startswith("1 failed starts under capacity")
+    assert not broken["held"] and broken["why"] == "1 conversations failed, not refused at capacity"
+    assert broken["failed_under_capacity"] == 1
     assert not stats.held(stats.frame_summary([]), 1, 4, [])["held"]
 
 

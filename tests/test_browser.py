@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import wave
 from pathlib import Path
@@ -69,32 +70,36 @@ REFUSE_24KHZ = """{
 }"""
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+def wait_answering(url: str, process: subprocess.Popen, timeout_s: float, ready: bool) -> None:
+    """Until the gateway's /healthz answers: 200 (Triton ready) if `ready`, else any status."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the gateway exited with code {process.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(url + "healthz", timeout=2) as reply:
-                if reply.status == 200:
-                    return
+            with urllib.request.urlopen(url + "healthz", timeout=2):
+                return
+        except urllib.error.HTTPError:
+            if not ready:
+                return
         except OSError:
             pass
         time.sleep(0.25)
-    raise TimeoutError(f"the gateway at {url} was not healthy after {timeout_s:.0f} s")
+    raise TimeoutError(f"the gateway at {url} did not answer as ready after {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager
-def running_gateway(server, checkpoint: Path, log: Path, *flags: str):
-    """The real gateway (its console entry point) in front of `server`, on a free port: yields its base URL."""
+def running_gateway(triton_url: str, checkpoint: Path, log: Path, *flags: str, ready: bool = True):
+    """The real gateway (its console entry point) in front of `triton_url`, on a free port:
+    yields its base URL once it answers (with Triton ready behind it, if `ready`)."""
     port = free_port()
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "personaplex_gateway", f"--triton-url={server.grpc_url}", f"--port={port}",
+            [sys.executable, "-m", "personaplex_gateway", f"--triton-url={triton_url}", f"--port={port}",
              f"--checkpoint={checkpoint}", *flags], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:
-        wait_healthy(url, process, GATEWAY_READY_S)
+        wait_answering(url, process, GATEWAY_READY_S, ready)
         yield url
     finally:
         process.terminate()
@@ -103,7 +108,7 @@ def running_gateway(server, checkpoint: Path, log: Path, *flags: str):
 
 @pytest.fixture(scope="module")
 def gateway(server, tiny_checkpoint, tmp_path_factory):
-    with running_gateway(server, tiny_checkpoint, tmp_path_factory.mktemp("gateway") / "gateway.log") as url:
+    with running_gateway(server.grpc_url, tiny_checkpoint, tmp_path_factory.mktemp("gateway") / "gateway.log") as url:
         yield url
 
 
@@ -113,7 +118,7 @@ GATEWAY_TOKEN = "page-test-token"
 @pytest.fixture(scope="module")
 def gateway_with_token(server, tiny_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with running_gateway(server, tiny_checkpoint, log, f"--token={GATEWAY_TOKEN}") as url:
+    with running_gateway(server.grpc_url, tiny_checkpoint, log, f"--token={GATEWAY_TOKEN}") as url:
         yield url
 
 
@@ -195,6 +200,19 @@ def test_a_conversation_in_the_page(page, gateway):
     with page.expect_download() as download:
         page.click("#download-text")
     assert ended["transcript"].strip() in Path(download.value.path()).read_text()
+
+
+def test_while_triton_is_not_ready_the_page_waits(page, tiny_checkpoint, tmp_path):
+    """A gateway whose Triton is not up (nothing listens on its port): its voices are offered,
+    the status says the server is starting, and a conversation cannot start."""
+    log = tmp_path / "gateway.log"
+    # The cap given: the gateway would otherwise ask the absent Triton for its slots.
+    with running_gateway(f"localhost:{free_port()}", tiny_checkpoint, log, "--max-connections=1", ready=False) as url:
+        page.goto(url)
+        page.wait_for_function("window.personaplex.state === 'starting'", timeout=READY_TIMEOUT_MS)
+        assert page.text_content("#status-text") == "Server starting…"
+        assert page.evaluate("window.personaplex.voices") and page.is_enabled("#voice")
+        assert not page.is_enabled("#start") and not page.is_visible("#error")
 
 
 def test_an_unknown_voice_shows_the_servers_message(page, gateway):

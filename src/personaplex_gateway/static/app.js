@@ -21,7 +21,8 @@ const HEALTH_RETRY_MS = 2000;
 const NARROW = window.matchMedia("(max-width: 760px)");  // one column: the conversation is below the persona
 
 let conversation = null;
-let serverReady = false;
+let voicesLoaded = false;
+let serverReady = false;  // Triton behind the gateway answered ready
 
 window.personaplex = {
   state: "checking", error: "", voices: [], framesSent: 0, framesReceived: 0, framesPlayed: 0,
@@ -58,7 +59,7 @@ function setControls() {
   ui.stop.hidden = !active;
   ui.stop.disabled = !active;
   ui.stop.textContent = conversation && conversation.state === "live" ? "End conversation" : "Cancel";
-  for (const input of [ui.voice, ui.prompt, ui.seed]) input.disabled = active || !serverReady;
+  for (const input of [ui.voice, ui.prompt, ui.seed]) input.disabled = active || !voicesLoaded;
   const over = conversation !== null && !active;
   ui.downloadAudio.disabled = !(over && conversation.agentFrames.length > 0);
   ui.downloadText.disabled = !(over && conversation.transcript);
@@ -78,20 +79,26 @@ async function loadVoices() {
   window.personaplex.voices = voices;
 }
 
-// Waits for Triton behind the gateway (/healthz), then offers the voices.
+// Offers the voices (the gateway knows them without Triton), then waits for Triton behind
+// the gateway (/healthz) before a conversation can start.
 async function checkServer() {
   try {
+    if (!voicesLoaded) {
+      await loadVoices();
+      voicesLoaded = true;
+    }
     const health = await fetch("healthz");
     if (health.status === 503) {
+      showError("");
       showStatus("starting", "Server starting…");
       setTimeout(checkServer, HEALTH_RETRY_MS);
-      return;
+    } else if (!health.ok) {
+      throw new Error(`the health check answered HTTP ${health.status}`);
+    } else {
+      serverReady = true;
+      showError("");
+      showStatus("ready");
     }
-    if (!health.ok) throw new Error(`the health check answered HTTP ${health.status}`);
-    await loadVoices();
-    serverReady = true;
-    showError("");
-    showStatus("ready");
   } catch (error) {
     showStatus("error", "Server unreachable");
     showError(`Cannot reach the gateway: ${error.message}. Retrying…`);

@@ -113,10 +113,14 @@ function formatClock(seconds) {
 }
 
 function renderTranscript(text) {
-  ui.transcript.replaceChildren();
   const paragraph = document.createElement("p");
-  paragraph.textContent = text;
-  ui.transcript.append(paragraph);
+  if (text) {
+    paragraph.textContent = text;
+  } else {
+    paragraph.className = "placeholder";
+    paragraph.textContent = "The agent's words appear here as it speaks.";
+  }
+  ui.transcript.replaceChildren(paragraph);
   ui.transcript.scrollTop = ui.transcript.scrollHeight;
 }
 
@@ -223,4 +227,5 @@ ui.downloadText.addEventListener("click", () => {
   download(new Blob([header + conversation.transcript + "\n"], { type: "text/plain" }), `personaplex-${stamp()}.txt`);
 });
 
+renderTranscript("");
 checkServer();

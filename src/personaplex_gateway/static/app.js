@@ -198,11 +198,8 @@ ui.start.addEventListener("click", () => {
   showError("");
   conversation = new Conversation({ voice: ui.voice.value, instructions: ui.prompt.value.trim(), seed, token });
   conversation.addEventListener("state", ({ detail: { state, message } }) => {
-    showStatus(state, state === "live" || state === "ended" ? "" : message && `${message}…`);
-    if (state === "error") {
-      showStatus("error");
-      showError(message);
-    }
+    showStatus(state, state === "connecting" || state === "loading" ? `${message}…` : "");
+    if (state === "error") showError(message);
     setControls();
     renderFigures();
     if (state === "live" && NARROW.matches) ui.live.scrollIntoView({ behavior: "smooth", block: "start" });
@@ -222,7 +219,7 @@ ui.downloadAudio.addEventListener("click", () => {
 
 ui.downloadText.addEventListener("click", () => {
   const seconds = (conversation.agentFrames.length * FRAME_S).toFixed(1);
-  const header = `PersonaPlex conversation, voice ${conversation.persona.voice}, ${seconds} s\n` +
+  const header = `PersonaPlex conversation, voice ${conversation.persona.voice || "(the server's default)"}, ${seconds} s\n` +
     `Role: ${conversation.persona.instructions || "(none)"}\n\n`;
   download(new Blob([header + conversation.transcript + "\n"], { type: "text/plain" }), `personaplex-${stamp()}.txt`);
 });

@@ -2,8 +2,8 @@
 //
 // The gateway answers exactly one 1920-sample frame for each one sent, in order, so the
 // latency of frame k is the time its answer arrived minus the time it was sent.
-// Events (an EventTarget): "state" {state, message}, "transcript" {text}, "frame" (an answer
-// arrived), "playback" (the player's counters).
+// Events (an EventTarget): "state" {state, message} and "transcript" {text}; the figures
+// (frames, latency, the player's counters in `playback`) are read as they stand.
 
 export const WIRE_RATE = 24000;
 export const FRAME_SAMPLES = 1920;
@@ -11,7 +11,7 @@ const JITTER_TARGET_MS = 160;  // two frames: covers a late answer without a gap
 const JITTER_MAX_MS = 600;
 const LATENCY_WINDOW = 50;  // frames in the rolling median
 
-export function pcm16ToBase64(pcm16) {
+function pcm16ToBase64(pcm16) {
   const bytes = new Uint8Array(pcm16.buffer, pcm16.byteOffset, pcm16.byteLength);
   let binary = "";
   for (let i = 0; i < bytes.length; i += 0x8000) {
@@ -20,14 +20,14 @@ export function pcm16ToBase64(pcm16) {
   return btoa(binary);
 }
 
-export function base64ToPcm16(text) {
+function base64ToPcm16(text) {
   const binary = atob(text);
   const bytes = new Uint8Array(binary.length);
   for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
   return new Int16Array(bytes.buffer, 0, bytes.length >> 1);  // little-endian, as every browser's host is
 }
 
-export function floatToPcm16(samples) {
+function floatToPcm16(samples) {
   const pcm = new Int16Array(samples.length);
   for (let i = 0; i < samples.length; i++) {
     const s = Math.max(-1, Math.min(1, samples[i]));
@@ -36,13 +36,13 @@ export function floatToPcm16(samples) {
   return pcm;
 }
 
-export function pcm16ToFloat(pcm) {
+function pcm16ToFloat(pcm) {
   const samples = new Float32Array(pcm.length);
   for (let i = 0; i < pcm.length; i++) samples[i] = pcm[i] / 0x8000;
   return samples;
 }
 
-export function rms(samples) {
+function rms(samples) {
   let sum = 0;
   for (let i = 0; i < samples.length; i++) sum += samples[i] * samples[i];
   return Math.sqrt(sum / Math.max(1, samples.length));
@@ -145,7 +145,6 @@ export class Conversation extends EventTarget {
     });
     this.player.port.onmessage = (event) => {
       this.playback = event.data;
-      this.dispatchEvent(new Event("playback"));
     };
     this.player.connect(context.destination);
     await context.resume();
@@ -252,7 +251,6 @@ export class Conversation extends EventTarget {
     this.agentFrames.push(pcm);
     this.agentLevel.push(rms(samples));
     this.player.port.postMessage(samples, [samples.buffer]);
-    this.dispatchEvent(new Event("frame"));
   }
 
   get medianLatencyMs() {

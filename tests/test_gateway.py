@@ -325,7 +325,9 @@ def test_too_many_connections_are_refused_clearly(server):
     assert stats["connection_cap"] == 1 and after["conversations_open"] == 0
 
 
-def test_a_disconnect_mid_conversation_ends_the_sequence_at_once(gateway, server, user_audio):
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_disconnect_mid_conversation_ends_the_sequence_at_once(gateway, server, user_audio, how):
+    """`close`: a close frame; `drop`: the TCP connection shut with no close frame (a tab killed)."""
     async def run():
         async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(gateway, "/v1/realtime")) as ws:
             await ws.send_str(json.dumps({"type": "session.update", "session": {"voice": "NATF0"}}))
@@ -333,6 +335,8 @@ def test_a_disconnect_mid_conversation_ends_the_sequence_at_once(gateway, server
             await ws.send_str(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(user_audio[:CHUNK])}))
             await realtime_events_until(ws, lambda e: e["type"] == "response.output_audio.delta")
             during = talker_active(server)
+            if how == "drop":
+                ws.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
         # the client is gone without a word to the talker: the gateway's end request frees the slot
         deadline = time.monotonic() + 3
         while talker_active(server) >= during and time.monotonic() < deadline:

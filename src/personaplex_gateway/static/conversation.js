@@ -78,7 +78,6 @@ export class Conversation extends EventTarget {
     this.persona = { voice, instructions, seed };
     this.token = token;
     this.state = "idle";
-    this.message = "";
     this.transcript = "";
     this.sentAt = [];  // performance.now() of each frame sent, by frame index
     this.latencies = [];  // the last LATENCY_WINDOW frames', ms
@@ -96,13 +95,12 @@ export class Conversation extends EventTarget {
 
   setState(state, message = "") {
     this.state = state;
-    this.message = message;
     this.dispatchEvent(new CustomEvent("state", { detail: { state, message } }));
   }
 
   fail(message) {
     if (this.state === "error" || this.state === "ended") return;
-    this.teardown();
+    this.teardown("the page stopped on an error");
     this.setState("error", message);
   }
 
@@ -126,7 +124,7 @@ export class Conversation extends EventTarget {
       return;
     }
     if (this.state !== "connecting") {  // cancelled meanwhile
-      this.teardown();
+      this.teardown("the user stopped");
       return;
     }
     this.connect();
@@ -218,7 +216,7 @@ export class Conversation extends EventTarget {
         this.transcript += event.delta;
         this.dispatchEvent(new CustomEvent("transcript", { detail: { text: this.transcript } }));
         break;
-      case "error": {
+      case "error": {  // the page sends only well-formed events: any error ends its conversation
         const { code = "error", message = "unknown error" } = event.error || {};
         this.fail(`${message} (${code})`);
         break;
@@ -262,12 +260,12 @@ export class Conversation extends EventTarget {
     return ((this.endedAt === null ? performance.now() : this.endedAt) - this.startedAt) / 1000;
   }
 
-  teardown() {
+  teardown(reason) {
     if (this.startedAt !== null) this.endedAt = performance.now();
     if (this.socket) {
       this.socket.onclose = null;
       this.socket.onerror = null;
-      if (this.socket.readyState <= WebSocket.OPEN) this.socket.close(1000, "the user stopped");
+      if (this.socket.readyState <= WebSocket.OPEN) this.socket.close(1000, reason);
     }
     if (this.stream) this.stream.getTracks().forEach((track) => track.stop());
     if (this.context && this.context.state !== "closed") this.context.close();
@@ -275,7 +273,7 @@ export class Conversation extends EventTarget {
 
   stop() {
     if (this.state === "ended" || this.state === "error") return;
-    this.teardown();
+    this.teardown("the user stopped");
     this.setState("ended");
   }
 }

@@ -6,7 +6,7 @@ from personaplex_triton.serving.shutdown import mark_finalized, register
 from personaplex_triton.serving.triton_adapter import (
     TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder)
 
-INPUTS = (seam.AGENT_CODES, seam.CONVERSATION_ID, seam.FRAME_INDEX, seam.FINAL, seam.TEXT_PIECE)
+INPUTS = tuple(spec.name for spec in seam.TENSORS)
 
 
 class TritonPythonModel:

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -22,11 +23,13 @@ import pytest
 import sphn
 
 from personaplex_stream import contract
+from personaplex_gateway.voices import voices_in_checkpoint
 from personaplex_stream.audio import read_wav
 from personaplex_triton.core.metrics import scrape
-from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 FRAME = contract.FRAME_SAMPLES
 FRAME_S = FRAME / contract.SAMPLE_RATE
@@ -42,10 +45,11 @@ def free_port() -> int:
 
 @contextmanager
 def gateway_process(triton_url: str, *flags: str, scheme: str = "http", trust: ssl.SSLContext | None = None):
-    """`python -m personaplex_gateway` on a free port until the block ends; yields its base URL."""
+    """`python -m personaplex_gateway` on a free port until the block ends; yields its base URL.
+    `flags` name its voices: the served checkpoint (`checkpoint_flag`) or --voices."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "personaplex_gateway", "--triton-url", triton_url,
-                                "--port", str(port), "--checkpoint", str(REPO_ROOT / "checkpoints" / "tiny"), *flags],
+                                "--port", str(port), *flags],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"{scheme}://127.0.0.1:{port}"
     try:
@@ -67,8 +71,19 @@ def gateway_process(triton_url: str, *flags: str, scheme: str = "http", trust: s
 
 
 @pytest.fixture(scope="module")
-def gateway(server):
-    with gateway_process(server.grpc_url) as url:
+def checkpoint_flag(tiny_checkpoint):
+    return ("--checkpoint", str(tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def voices(tiny_checkpoint):
+    """The voices the served checkpoint has, as the gateway lists them."""
+    return ", ".join(voices_in_checkpoint(tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def gateway(server, checkpoint_flag):
+    with gateway_process(server.grpc_url, *checkpoint_flag) as url:
         yield url
 
 
@@ -171,7 +186,7 @@ async def realtime_refusal(base: str, first: str | bytes, *, query: str = "") ->
         return events, ws.close_code, (closing.extra if closing is not None else None)
 
 
-def test_realtime_unknown_voice_and_bad_events_are_errors_that_keep_the_socket(gateway):
+def test_realtime_unknown_voice_and_bad_events_are_errors_that_keep_the_socket(gateway, voices):
     async def run():
         async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(gateway, "/v1/realtime")) as ws:
             await realtime_events_until(ws, lambda e: e["type"] == "session.created")
@@ -186,7 +201,7 @@ def test_realtime_unknown_voice_and_bad_events_are_errors_that_keep_the_socket(g
 
     errors, ready = asyncio.run(run())
     assert [e["error"]["code"] for e in errors] == ["unknown_voice", "invalid_event", "unsupported_event", "invalid_audio"]
-    assert "unknown voice 'NOPE'; this server has: NATF0, NATM0" in errors[0]["error"]["message"]
+    assert f"unknown voice 'NOPE'; this server has: {voices}" in errors[0]["error"]["message"]
     assert ready["session"]["voice"] == "NATM0"
 
 
@@ -279,9 +294,9 @@ async def chat_refusal(base: str, query: str, send: bytes | None = None):
                 messages.append(message.data)
 
 
-def test_chat_unknown_voice_gets_an_error_kind_and_a_close_reason(gateway):
+def test_chat_unknown_voice_gets_an_error_kind_and_a_close_reason(gateway, voices):
     messages, code, reason = asyncio.run(chat_refusal(gateway, "?voice_prompt=NOPE.pt&text_prompt="))
-    assert messages == [b"\x05unknown voice 'NOPE'; this server has: NATF0, NATM0"]
+    assert messages == [f"\x05unknown voice 'NOPE'; this server has: {voices}".encode()]
     assert code == 1008 and reason.startswith("unknown voice 'NOPE'")
 
 
@@ -308,7 +323,7 @@ def test_chat_bad_kind_and_oversize_message_are_refused(gateway):
 # -- limits and access -----------------------------------------------------------------------
 
 
-def test_too_many_connections_are_refused_clearly(server):
+def test_too_many_connections_are_refused_clearly(server, checkpoint_flag):
     async def run(base):
         async with aiohttp.ClientSession() as http, http.ws_connect(ws_url(base, "/v1/realtime")) as first:
             await realtime_events_until(first, lambda e: e["type"] == "session.created")
@@ -317,7 +332,7 @@ def test_too_many_connections_are_refused_clearly(server):
                 closing = await second.receive(timeout=10)
                 return refused, second.close_code, closing.extra, get_json(base + "/stats")[1]
 
-    with gateway_process(server.grpc_url, "--max-connections", "1") as base:
+    with gateway_process(server.grpc_url, "--max-connections", "1", *checkpoint_flag) as base:
         refused, code, reason, stats = asyncio.run(run(base))
         after = get_json(base + "/stats")[1]
     assert refused["type"] == "error" and refused["error"]["code"] == "too_many_connections"
@@ -347,7 +362,7 @@ def test_a_disconnect_mid_conversation_ends_the_sequence_at_once(gateway, server
     assert during >= 1 and after == during - 1, f"the talker still holds the conversation after {took_s:.1f} s"
 
 
-def test_token_and_origin_are_checked_before_the_upgrade(server):
+def test_token_and_origin_are_checked_before_the_upgrade(server, checkpoint_flag):
     async def attempt(base, query="", headers=None):
         async with aiohttp.ClientSession() as http:
             try:
@@ -356,7 +371,8 @@ def test_token_and_origin_are_checked_before_the_upgrade(server):
             except aiohttp.WSServerHandshakeError as exc:
                 return exc.status
 
-    with gateway_process(server.grpc_url, "--token", "s3cret", "--origins", "https://app.example") as base:
+    with gateway_process(server.grpc_url, "--token", "s3cret", "--origins", "https://app.example",
+                         *checkpoint_flag) as base:
         assert asyncio.run(attempt(base)) == 401
         assert asyncio.run(attempt(base, "?token=wrong")) == 401
         assert asyncio.run(attempt(base, "?token=s3cret")) == "session.created"
@@ -365,7 +381,7 @@ def test_token_and_origin_are_checked_before_the_upgrade(server):
         assert asyncio.run(attempt(base, "?token=s3cret", {"Origin": "https://app.example"})) == "session.created"
 
 
-def test_tls_serves_https_and_wss(server, tmp_path):
+def test_tls_serves_https_and_wss(server, checkpoint_flag, tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: no certificate to serve TLS with")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -381,16 +397,16 @@ def test_tls_serves_https_and_wss(server, tmp_path):
             async with http.ws_connect(base.replace("https://", "wss://") + "/v1/realtime", ssl=trust) as ws:
                 return health, (await ws.receive(timeout=10)).json()["type"]
 
-    with gateway_process(server.grpc_url, "--tls-cert", str(cert), "--tls-key", str(key), scheme="https",
-                         trust=trust) as base:
+    with gateway_process(server.grpc_url, "--tls-cert", str(cert), "--tls-key", str(key), *checkpoint_flag,
+                         scheme="https", trust=trust) as base:
         assert asyncio.run(run(base)) == (200, "session.created")
 
 
-def test_health_voices_and_the_page(gateway):
+def test_health_voices_and_the_page(gateway, voices):
     assert get_json(gateway + "/healthz")[0] == 200
-    status, voices = get_json(gateway + "/api/voices")
-    assert status == 200 and voices["voices"] == ["NATF0", "NATM0"] and voices["default_voice"] == "NATF0"
-    assert voices["default_prompt"]
+    status, listed = get_json(gateway + "/api/voices")
+    assert status == 200 and ", ".join(listed["voices"]) == voices and listed["default_voice"] == "NATF0"
+    assert listed["default_prompt"]
     assert get_json(gateway + "/stats")[1]["connection_cap"] == 64  # the test server's pools are sized at load (auto)
     with urllib.request.urlopen(gateway + "/", timeout=5) as reply:
         assert reply.status == 200 and b"<html" in reply.read().lower()

@@ -6,7 +6,7 @@ CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: all venv checkpoint export demo serve test bench soak bench-deps deploy-deps browser-deps configs gpu-bundle web clean
+.PHONY: all venv checkpoint export demo serve test bench soak bench-deps deploy-deps browser-deps configs gpu-bundle gateway web clean
 
 all: test
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, from its pinned CPU build; then the project; moshi without its torch<2.10 pin.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,export]'
+	$(PY) -m pip install -q -e '.[test,export,gateway]'
 	$(PY) -m pip install -q --no-deps moshi==0.2.13
 	touch $@
 
@@ -57,6 +57,11 @@ bench-deps: $(VENV)/.bench-installed
 $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[bench]'
 	touch $@
+
+# The WebSocket gateway (personaplex-gateway -h) in front of a Triton already serving (make serve), on
+# http://127.0.0.1:8080/; another with: make gateway GATEWAY_ARGS="--triton-url host:8001 --host 0.0.0.0".
+gateway: venv
+	$(VENV)/bin/personaplex-gateway $(GATEWAY_ARGS)
 
 # tritonserver on the default checkpoint and the gateway in front of it, together: prints the page's URL
 # (http://localhost:8080/), Ctrl-C stops both (scripts/web.py -h; WEB_ARGS="--port 8090").

@@ -132,6 +132,8 @@ def test_realtime_events_parse_and_refuse_clearly():
     persona = realtime_protocol.persona_from_session({"instructions": "Be brief.", "voice": "NATM0", "seed": 3,
                                                       "modalities": ["audio"]}, VOICES)
     assert (persona.voice, persona.text_prompt, persona.seed) == ("NATM0", "Be brief.", 3)
+    nested = realtime_protocol.persona_from_session({"audio": {"output": {"voice": "NATM0"}}}, VOICES)
+    assert nested.voice == "NATM0"
     for session, words in (({"seed": "3"}, "session.seed"), ({"voice": "X"}, "unknown voice"),
                            ({"instructions": 5}, "instructions")):
         with pytest.raises(GatewayError, match=words):

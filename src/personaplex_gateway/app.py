@@ -11,6 +11,7 @@ protocols, behind the origin allow-list, the optional token and the connection c
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ class GatewayConfig:
     """triton_url: Triton's gRPC endpoint; triton_tls: None for a plain channel; origins: the
     Origin values allowed to open a socket ("*": any; empty: same-origin pages and clients
     that send no Origin); token: required of every client where set; max_connections: None
-    matches the stages' slots where their configurations say a number, else `fallback_connections`."""
+    matches the stages' slots where their configurations say a number, else `fallback_connections`
+    (`limits.max_connections` is replaced by the cap so found)."""
 
     triton_url: str = "localhost:8001"
     triton_tls: TritonTLS | None = None
@@ -87,8 +89,7 @@ def make_app(config: GatewayConfig) -> web.Application:
             capacity = slots or config.fallback_connections
             log.info("connection cap %d (%s)", capacity, "the stages' conversation slots" if slots else
                      "a stage sizes its pool at load; --max-connections sets it")
-        limits = Limits(capacity, config.limits.max_message_bytes, config.limits.audio_burst_s,
-                        config.limits.audio_max_ahead_s)
+        limits = dataclasses.replace(config.limits, max_connections=capacity)
         app[CONTEXT] = GatewayContext(channel, limits, config.voices, ConnectionGate(capacity), FrameTimings())
         yield
         await channel.close()

@@ -63,6 +63,9 @@ def persona_from_session(session: dict, voices: VoiceCatalog) -> Persona:
     if not isinstance(session, dict):
         raise GatewayError("invalid_event", "session.update's session is a JSON object", None)
     instructions, voice, seed = (session.get(name) for name in SESSION_FIELDS)
+    output = session.get("audio", {}).get("output", {}) if isinstance(session.get("audio"), dict) else {}
+    if voice is None and isinstance(output, dict):
+        voice = output.get("voice")  # where OpenAI's current sessions put it
     if instructions is not None and not isinstance(instructions, str):
         raise GatewayError("invalid_value", "session.instructions is a string", None)
     if voice is not None and not isinstance(voice, str):

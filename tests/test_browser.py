@@ -343,3 +343,40 @@ def test_the_jitter_buffer_bounds_its_delay(page, gateway):
     assert (played["framesDropped"], played["framesPlayed"], played["underruns"]) == (18, 7, 1)
     assert played["audible"] == 7 * 1920 and played["peak"] == 0.5
     assert played["last"] == -0.5  # the last sample played is the newest frame's (frame 24: -0.5)
+
+
+def test_the_jitter_buffer_trims_a_standing_delay(page, gateway):
+    """The playback worklet, offline at 24 kHz: 6 frames (480 ms) at once, under its 600 ms
+    bound, then one frame every 80 ms of playback, so 400 to 480 ms stay queued. After 2 s
+    above target + a frame (240 ms) it drops the oldest back to its 160 ms target, once, and
+    plays on without a gap."""
+    page.goto(gateway)
+    played = page.evaluate("""async () => {
+        const context = new OfflineAudioContext(1, 4 * 24000, 24000);  // 4 s
+        await context.audioWorklet.addModule("audio-processors.js");
+        const player = new AudioWorkletNode(context, "playback-processor", {
+            numberOfInputs: 0, outputChannelCount: [1],
+            processorOptions: { targetMs: 160, maxMs: 600, trimAfterMs: 2000 } });
+        const reports = [];
+        player.port.onmessage = (event) => reports.push(event.data);
+        player.connect(context.destination);
+        const settle = () => new Promise((resolve) => setTimeout(resolve, 30));  // a message reaches the worklet
+        const frame = () => new Float32Array(1920).fill(0.25);
+        for (let f = 0; f < 6; f++) player.port.postMessage(frame());
+        await settle();
+        for (let k = 1; k < 50; k++) {  // rendering stops at each 80 ms for the next frame to arrive
+            context.suspend(k * 0.08).then(async () => {
+                player.port.postMessage(frame());
+                await settle();
+                context.resume();
+            });
+        }
+        const rendered = (await context.startRendering()).getChannelData(0);
+        await settle();
+        await settle();
+        const firstSilent = rendered.findIndex((sample) => sample === 0);
+        return { ...reports[reports.length - 1], firstSilent };
+    }""")
+    assert played["framesDropped"] == 3  # at 2 s, before the 25th frame arrives: 400 ms, back to 160
+    assert played["underruns"] == 0 and played["firstSilent"] == -1
+    assert played["queuedMs"] <= 240

@@ -320,6 +320,76 @@ def test_chat_bad_kind_and_oversize_message_are_refused(gateway):
     assert messages[-1].startswith(b"\x05a message of 200001 bytes is over") and code == 1009
 
 
+# moshi's own client (moshi.client, PyPI moshi 0.2.13), unchanged, with a stand-in for the sound
+# card (it imports sounddevice, absent here): the "microphone" plays user.wav one block of 1920
+# samples every 80 ms, the "speaker" keeps what it is given. Run in a process of its own.
+MOSHI_CLIENT = """
+import asyncio, json, sys, threading, time, types
+import numpy as np
+from personaplex_stream.audio import read_wav
+
+user = read_wav(sys.argv[2])
+played = []
+
+class Stream:
+    def __init__(self, samplerate, channels, blocksize, callback):
+        self.blocksize, self.callback, self.running = blocksize, callback, False
+    def __enter__(self):
+        self.running = True
+        threading.Thread(target=self.run, daemon=True).start()
+        return self
+    def __exit__(self, *exc):
+        self.running = False
+    def run(self):
+        start, i = time.perf_counter(), 0
+        while self.running:
+            time.sleep(max(0.0, start + i * 0.08 - time.perf_counter()))
+            self.block(i)
+            i += 1
+
+class InputStream(Stream):
+    def block(self, i):
+        frame = user[i * self.blocksize:(i + 1) * self.blocksize]
+        frame = np.pad(frame, (0, self.blocksize - frame.size)).reshape(-1, 1).astype(np.float32)
+        self.callback(frame, self.blocksize, None, None)
+
+class OutputStream(Stream):
+    def block(self, i):
+        out = np.zeros((self.blocksize, 1), np.float32)
+        self.callback(out, self.blocksize, None, None)
+        played.append(out[:, 0].copy())
+
+sys.modules["sounddevice"] = types.SimpleNamespace(InputStream=InputStream, OutputStream=OutputStream)
+from moshi import client
+from moshi.client_utils import RawPrinter
+
+class Tokens(RawPrinter):
+    text = ""
+    def print_token(self, token):
+        Tokens.text += token
+
+args = types.SimpleNamespace(url=sys.argv[1], host=None, port=None, https=False)
+try:
+    asyncio.run(asyncio.wait_for(client.run(Tokens(), args), timeout=float(sys.argv[3])))
+except asyncio.TimeoutError:
+    pass
+print(json.dumps({"blocks": len(played), "audible_blocks": int(sum(np.abs(b).max() > 1e-3 for b in played)),
+                  "text": Tokens.text}))
+"""
+
+
+def test_moshis_own_client_talks_through_api_chat_unchanged(gateway, tmp_path):
+    script = tmp_path / "moshi_client.py"
+    script.write_text(MOSHI_CLIENT)
+    run = subprocess.run([sys.executable, str(script), gateway, str(REPO_ROOT / "samples" / "user.wav"), "4"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    heard = json.loads(run.stdout.strip().splitlines()[-1])
+    # about 50 blocks of 80 ms in 4 s; the agent's answers reach the speaker after the handshake
+    assert heard["blocks"] >= 30 and heard["audible_blocks"] >= 10, (heard, run.stderr[-2000:])
+    assert heard["text"].strip(), heard
+
+
 # -- limits and access -----------------------------------------------------------------------
 
 

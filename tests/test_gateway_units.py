@@ -18,13 +18,18 @@ VOICES = VoiceCatalog.of(["NATF0", "NATM0"])
 
 
 def test_frame_buffer_cuts_any_chunks_into_whole_frames_in_order():
-    samples = np.arange(5000, dtype=np.float32)
+    samples = np.linspace(-1, 1, 5000, dtype=np.float32)
     buffer, frames = FrameBuffer(), []
     for start, stop in ((0, 7), (7, 1920), (1920, 4500), (4500, 5000)):
         frames += buffer.push(samples[start:stop])
     assert [f.size for f in frames] == [1920, 1920]
     np.testing.assert_array_equal(np.concatenate(frames), samples[:3840])
     assert buffer.pending_samples == 5000 - 3840
+
+
+def test_frame_buffer_clips_to_the_wire_contracts_range():
+    frames = FrameBuffer().push(np.concatenate([np.full(960, 1.00003), np.full(960, -1.2)]).astype(np.float32))
+    assert frames[0].max() == 1.0 and frames[0].min() == -1.0
 
 
 def test_pcm16_round_trip_and_clipping():

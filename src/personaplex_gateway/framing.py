@@ -12,14 +12,17 @@ FRAME_SECONDS = contract.FRAME_SAMPLES / contract.SAMPLE_RATE
 
 class FrameBuffer:
     """Collects float32 samples and hands them back as whole frames; a partial frame waits
-    for the next chunk (never more than one frame is held)."""
+    for the next chunk (never more than one frame is held). Samples are clipped to [-1, 1], as
+    the wire contract requires: a codec's output overshoots at times (Opus decoded a peak of
+    1.00003 from PersonaPlex's web client, and the server refused the frame)."""
 
     def __init__(self, frame_samples: int = FRAME_SAMPLES):
         self.frame_samples = frame_samples
         self._pending = np.zeros(0, dtype=np.float32)
 
     def push(self, samples: np.ndarray) -> list[np.ndarray]:
-        joined = np.concatenate([self._pending, np.asarray(samples, dtype=np.float32).reshape(-1)])
+        chunk = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
+        joined = np.concatenate([self._pending, chunk])
         whole = joined.size // self.frame_samples
         frames = [joined[i * self.frame_samples:(i + 1) * self.frame_samples] for i in range(whole)]
         self._pending = joined[whole * self.frame_samples:]

@@ -177,3 +177,22 @@ def test_code2wav_refuses_a_lost_frame_and_frees_on_a_close_marker(code2wav):
     out, error = decode(code2wav, 6, seam.CLOSE_ONLY, codes, final=True)
     assert out == [] and error is None
     assert not code2wav.engine.is_open(6)
+
+
+def test_taking_the_largest_tick_leaves_every_slot_fresh(files):
+    """code2wav takes its largest tick's memory at load on a GPU (a frame in every slot, then a
+    reset of them all): afterwards a slot decodes as a fresh stream does."""
+    from personaplex_triton.mimi.runtime import open_step
+    from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame
+
+    codes = np.random.default_rng(5).integers(0, seam.CODEBOOK_SIZE, (3, 8))
+
+    def decoded(decoder):
+        decoder.start_many({1: None})
+        return np.stack([decoder.tick({1: CodesFrame(c)})[1] for c in codes])
+
+    fresh = decoded(Code2Wav(open_step("decoder", files), 3))
+    warmed = Code2Wav(open_step("decoder", files), 3)
+    warmed.tick({slot: CodesFrame(codes[0][::-1].copy()) for slot in range(3)})  # some state in every slot
+    warmed.take_largest_tick()
+    np.testing.assert_allclose(np.stack([warmed.tick({1: CodesFrame(c)})[1] for c in codes]), fresh, atol=1e-5)

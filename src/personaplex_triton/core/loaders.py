@@ -83,14 +83,18 @@ TINY_LM_SIZE = {
 }
 
 # Conversation slots per stage when max_conversations is "auto". On a GPU the talker takes what
-# fits in free memory beside GPU_RESERVED_BYTES (graphs, persona cache, the decoder's process),
-# at most the decoder's slots;
+# fits in free memory beside GPU_RESERVED_BYTES (its graphs, persona cache, prefill) and
+# GPU_DECODER_RESERVED_BYTES (code2wav's process at its largest tick: its pool's state and a
+# tick of every slot, which it takes at load; measured beyond Mimi's weights in one process on
+# the H200, bench/gpu_step.py: 2.14 GiB at 64 slots, 3.77 at 128, so about 5.4 at 192; the
+# talker reserves it whether or not code2wav has loaded first), at most the decoder's slots;
 # the decoder keeps more slots than the talker can fill, since a conversation that ends
 # without FINAL holds its decoder slot until replaced (its state is 8 MB).
 CPU_TALKER_SLOTS = 4
 CPU_DECODER_SLOTS = 8
 GPU_DECODER_SLOTS = 192
 GPU_RESERVED_BYTES = 8 << 30
+GPU_DECODER_RESERVED_BYTES = 6 << 30
 
 # The engines' schedulers (engine/scheduler.py). Code2wav's frames come one response at a time
 # from a talker tick's answers: its tick waits for all of a talker tick's frames, at most this

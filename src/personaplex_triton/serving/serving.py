@@ -295,6 +295,8 @@ class Code2WavService:
             max_conversations, device, loaders.CPU_DECODER_SLOTS,
             lambda: (loaders.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
         self.decoder = Code2Wav(self.mimi, self.slots)
+        if device.startswith("cuda"):
+            self.decoder.take_largest_tick()  # planned with the talker's pool (loaders.GPU_DECODER_RESERVED_BYTES)
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,

@@ -42,5 +42,12 @@ class Code2Wav:
     def stop(self, slot: int) -> None:
         pass  # the next start resets the row
 
+    def take_largest_tick(self) -> None:
+        """Decode one frame in every slot, then reset them all: the memory of the largest tick
+        is taken now (a GPU's caching allocator keeps it), not in a tick under load, when the
+        talker's process beside this one may have taken the rest."""
+        self.mimi.decode({slot: np.zeros(self.mimi.input.shape, dtype=np.int64) for slot in range(self.num_slots)})
+        self.mimi.reset(range(self.num_slots))
+
     def tick(self, items: dict[int, CodesFrame]) -> dict[int, np.ndarray]:
         return self.mimi.decode({slot: frame.codes for slot, frame in items.items()})

@@ -489,3 +489,55 @@ def greedy_tokens(lm, ring: bool) -> list:
         return greedy_tokens_of(gen, lambda i: [True, i % 3 != 0, i > 8, i > 30], 60)
     finally:
         gen.close()
+
+
+def compact_greedy_tokens(lm, schedule, steps: int = 200) -> list:
+    """The greedy tokens of the conversation in slot 5 of an 8-slot pool over `steps` compact
+    steps; `schedule(i)` gives the other slots that step i carries beside it (a slot first
+    carried is a conversation joining; one no longer carried has left, its slot restarted
+    before it is carried again). Each conversation's user codes depend only on its own steps."""
+    gen = SlotGenerator(lm, 8, cuda_graphs=False)
+    try:
+        gen.start(5, SamplingParams(greedy=True))
+        started, out = {5}, []
+        taken = dict.fromkeys(range(8), 0)
+        for i in range(steps):
+            others = schedule(i)
+            for slot in set(started) - {5} - set(others):  # it left: the slot starts over when next carried
+                started.discard(slot)
+            for slot in others:
+                if slot not in started:
+                    gen.start(slot, SamplingParams(greedy=True, seed=slot))
+                    started.add(slot)
+            rows = [5, *sorted(others)]
+            user = torch.stack([torch.randint(0, 2048, (8,), generator=torch.Generator().manual_seed(
+                1000 * slot + taken[slot])) for slot in rows])
+            for slot in rows:
+                taken[slot] += 1
+            none = torch.zeros(len(rows), dtype=torch.bool)
+            tokens, has_output, _ = gen.step(StepInputs(torch.ones(len(rows), dtype=torch.bool), user,
+                                                        torch.zeros(len(rows), 8, dtype=torch.long), none,
+                                                        torch.zeros(len(rows), dtype=torch.long), none,
+                                                        rows=torch.tensor(rows)))
+            if has_output[0]:
+                out.append(tokens[0].tolist())
+        return out
+    finally:
+        gen.close()
+
+
+def test_compact_greedy_tokens_alone_and_beside_conversations_that_join_skip_and_leave():
+    """Fidelity of the compact engine (a CPU version of the H200's fp32 check): over 200 greedy
+    steps, a conversation gives the same tokens alone as carried in ticks with others that join
+    late, skip ticks (some ticks carry slots apart in the pool, some consecutive ones) and leave.
+    A 128-frame context: the rings wrap."""
+    torch.manual_seed(0)
+    lm = tiny_moshi_lm("cpu", torch.float32, context=128)
+
+    def busy(i):
+        return [slot for slot, carried in ((0, i >= 20), (2, i % 3 != 0), (3, True), (4, i % 5 == 1),
+                                           (6, 40 <= i < 120 or i >= 150), (7, i < 100)) if carried]
+
+    alone = compact_greedy_tokens(lm, lambda i: [])
+    assert len(alone) > 190
+    assert compact_greedy_tokens(lm, busy) == alone

@@ -10,6 +10,7 @@ import pytest
 
 from personaplex_gateway import app, chat_protocol, realtime_protocol
 from personaplex_gateway.conversation import close_reason
+from personaplex_gateway.triton_session import _error_code
 from personaplex_gateway.framing import FrameBuffer, float_to_pcm16, pcm16_to_float
 from personaplex_gateway.limits import AudioPacer, ConnectionGate, GatewayError, Limits
 from personaplex_gateway.voices import VoiceCatalog, voice_name, voices_in_checkpoint
@@ -207,3 +208,14 @@ def test_cli_flags_make_the_config_and_name_bad_combinations(tmp_path):
                         (["--checkpoint", str(tmp_path)], "no voices/ folder")):
         with pytest.raises(ValueError, match=words):
             cli.config_of(cli.parse_args(["--voices", "NATF0"] * ("--checkpoint" not in argv) + argv))
+
+
+@pytest.mark.parametrize("message, code", [
+    ("at capacity: all 71 conversation slots are busy; try again later", "server_full"),
+    ("at capacity: 70 live conversations and one more would settle at 40 ms ticks (the limit is 32 ms, ...)",
+     "server_full"),
+    ("unknown voice 'X'", "unknown_voice"),
+    ("internal error while stepping: boom", "server_error"),
+])
+def test_the_servers_refusals_map_to_error_codes(message, code):
+    assert _error_code(message)[0] == code

@@ -142,7 +142,7 @@ def _error_code(message: str) -> tuple[str, int]:
         return "unknown_voice", CLOSE_POLICY
     if "must lie in" in message or "must be a finite number" in message:  # a sampling setting out of range
         return "invalid_parameter", CLOSE_POLICY
-    if "slots are busy" in message or "shutting down" in message:
+    if "at capacity" in message or "shutting down" in message:  # no slot, or the tick model is full
         return "server_full", CLOSE_TRY_AGAIN_LATER
     return "server_error", CLOSE_SERVER_ERROR
 

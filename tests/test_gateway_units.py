@@ -219,3 +219,15 @@ def test_cli_flags_make_the_config_and_name_bad_combinations(tmp_path):
 ])
 def test_the_servers_refusals_map_to_error_codes(message, code):
     assert _error_code(message)[0] == code
+
+
+def test_the_gateway_imports_neither_the_server_library_nor_torch():
+    import subprocess
+    import sys
+
+    modules = ("personaplex_gateway.cli", "personaplex_gateway.app")
+    code = (f"import sys; import {', '.join(modules)}; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'personaplex_triton', 'torch', 'scipy'}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -451,13 +451,19 @@ def test_token_and_origin_are_checked_before_the_upgrade(server, checkpoint_flag
         assert asyncio.run(attempt(base, "?token=s3cret", {"Origin": "https://app.example"})) == "session.created"
 
 
-def test_tls_serves_https_and_wss(server, checkpoint_flag, tmp_path):
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (openssl), valid a day."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: no certificate to serve TLS with")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_serves_https_and_wss(server, checkpoint_flag, tmp_path):
+    cert, key = self_signed(tmp_path)
     trust = ssl.create_default_context(cafile=str(cert))
 
     async def run(base):
@@ -470,6 +476,32 @@ def test_tls_serves_https_and_wss(server, checkpoint_flag, tmp_path):
     with gateway_process(server.grpc_url, "--tls-cert", str(cert), "--tls-key", str(key), *checkpoint_flag,
                          scheme="https", trust=trust) as base:
         assert asyncio.run(run(base)) == (200, "session.created")
+
+
+def test_the_gateway_reaches_triton_over_tls(server, checkpoint_flag, user_audio, tmp_path):
+    """Triton's gRPC behind Debian's nginx terminating TLS (as a TLS-serving Triton would be
+    reached): the gateway's --triton-tls with the CA's certificate carries a conversation."""
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+    if nginx is None:
+        pytest.skip("nginx is not installed (make deploy-deps installs Debian's)")
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    (tmp_path / "nginx.conf").write_text(
+        f"daemon off;\npid {tmp_path}/nginx.pid;\nerror_log {tmp_path}/error.log info;\nevents {{}}\n"
+        f"http {{\n  access_log off;\n  client_body_temp_path {tmp_path};\n"
+        f"  server {{\n    listen 127.0.0.1:{port} ssl http2;\n    ssl_certificate {cert};\n"
+        f"    ssl_certificate_key {key};\n    location / {{ grpc_pass grpc://{server.grpc_url}; "
+        f"grpc_read_timeout 1h; grpc_send_timeout 1h; }}\n  }}\n}}\n")
+    proxy = subprocess.Popen([nginx, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with gateway_process(f"127.0.0.1:{port}", "--triton-tls", "--triton-ca", str(cert), *checkpoint_flag) as base:
+            events, frames_out, _ = asyncio.run(realtime_conversation(base, user_audio[: 10 * FRAME], {"voice": "NATF0"}))
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=15)
+    assert not [e for e in events if e["type"] == "error"], events
+    assert len(frames_out) == 10
 
 
 def test_health_voices_and_the_page(gateway, voices):

@@ -62,6 +62,7 @@ async def pump_answers(session: TritonSession, send_answer, on_error) -> None:
 
 
 async def stop(task: asyncio.Task | None) -> None:
+    """Cancel `task` (None: nothing to stop) and wait until it has ended."""
     if task is None:
         return
     task.cancel()

@@ -46,22 +46,31 @@ def tiny_moshi_lm(device, dtype, **size):
     return moshi_loaders.get_moshi_lm(None, lm_kwargs=kwargs, device=device, dtype=dtype).eval()
 
 
+def unforced_step(gen, active, user, rows=None):
+    """One step of a SlotGenerator with the user's codes [b, 8] forced and nothing else:
+    (tokens [b, 17], has_output [b]). `rows`: the slot table (None: the first b slots)."""
+    import torch
+
+    from personaplex_triton.lm.generation import StepInputs
+
+    b, device = len(active), gen.device
+    none = torch.zeros(b, dtype=torch.bool, device=device)
+    tokens, has_output, _ = gen.step(StepInputs(
+        torch.as_tensor(active, device=device), user.to(device), torch.zeros(b, 8, dtype=torch.long, device=device),
+        none, torch.zeros(b, dtype=torch.long, device=device), none, rows=rows))
+    return tokens, has_output
+
+
 def greedy_tokens_of(gen, active_at, steps: int) -> list:
     """The greedy tokens of `steps` steps of a SlotGenerator whose slots are started: random
     user codes, nothing else forced, `active_at(i)` the rows active at step i ([num_slots] bools)."""
     import torch
 
-    from personaplex_triton.lm.generation import StepInputs
-
-    rows, device = gen.num_slots, gen.device
     rng = torch.Generator().manual_seed(1)
-    none = torch.zeros(rows, dtype=torch.bool, device=device)
     out = []
     for i in range(steps):
-        user = torch.randint(0, 2048, (rows, 8), generator=rng).to(device)
-        tokens, has_output, _ = gen.step(StepInputs(
-            torch.tensor(active_at(i), device=device), user, torch.zeros(rows, 8, dtype=torch.long, device=device),
-            none, torch.zeros(rows, dtype=torch.long, device=device), none))
+        user = torch.randint(0, 2048, (gen.num_slots, 8), generator=rng)
+        tokens, has_output = unforced_step(gen, active_at(i), user)
         out.append(tokens[has_output].cpu().tolist())
     return out
 

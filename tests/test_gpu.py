@@ -5,13 +5,13 @@ steps (graphed and eager) match moshi's streaming Mimi."""
 
 import pytest
 import torch
-from conftest import greedy_tokens_of, rope_and_store_against_moshi, tiny_moshi_lm
+from conftest import greedy_tokens_of, rope_and_store_against_moshi, tiny_moshi_lm, unforced_step
 from moshi.modules.gating import ActivationGating
 from moshi.modules.transformer import RMSNorm
 from torch.nn import functional as F
 
 from personaplex_triton.lm import fused_ops, kv_cache, ring_attention
-from personaplex_triton.lm.generation import SlotGenerator, StepInputs
+from personaplex_triton.lm.generation import SlotGenerator
 from personaplex_triton.lm.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
@@ -38,10 +38,7 @@ def run(lm, cuda_graphs, live, steps=24, kv_dtype=None):
         for _ in range(steps):
             user = torch.randint(0, 2048, (SLOTS, 8), generator=rng)
             user[0] = torch.randint(0, 2048, (8,), generator=torch.Generator().manual_seed(len(out)))
-            none = torch.zeros(SLOTS, dtype=torch.bool)
-            inputs = StepInputs(active.cuda(), user.cuda(), torch.zeros(SLOTS, 8, dtype=torch.long).cuda(),
-                                none.cuda(), torch.zeros(SLOTS, dtype=torch.long).cuda(), none.cuda())
-            tokens, has_output, _ = gen.step(inputs)
+            tokens, has_output = unforced_step(gen, active, user)
             if has_output[0]:
                 out.append(tokens[0].cpu().tolist())
         return out
@@ -71,11 +68,7 @@ def carried(lm, cuda_graphs, table, steps=24, kv_dtype=None):
         for step in range(steps):
             user = torch.stack([torch.randint(0, 2048, (8,), generator=torch.Generator().manual_seed(1000 * i + step))
                                 for i in range(len(table))])
-            none = torch.zeros(len(table), dtype=torch.bool)
-            inputs = StepInputs(torch.ones(len(table), dtype=torch.bool).cuda(), user.cuda(),
-                                torch.zeros(len(table), 8, dtype=torch.long).cuda(), none.cuda(),
-                                torch.zeros(len(table), dtype=torch.long).cuda(), none.cuda(), rows=rows)
-            tokens, has_output, _ = gen.step(inputs)
+            tokens, has_output = unforced_step(gen, torch.ones(len(table), dtype=torch.bool), user, rows)
             if has_output[0]:
                 out.append(tokens[0].cpu().tolist())
         return out

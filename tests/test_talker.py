@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import greedy_tokens_of, tiny_moshi_lm
+from conftest import greedy_tokens_of, tiny_moshi_lm, unforced_step
 from moshi.modules.transformer import RingKVCache
 
 from personaplex_triton.core import loaders
@@ -514,11 +514,7 @@ def compact_greedy_tokens(lm, schedule, steps: int = 200) -> list:
                 1000 * slot + taken[slot])) for slot in rows])
             for slot in rows:
                 taken[slot] += 1
-            none = torch.zeros(len(rows), dtype=torch.bool)
-            tokens, has_output, _ = gen.step(StepInputs(torch.ones(len(rows), dtype=torch.bool), user,
-                                                        torch.zeros(len(rows), 8, dtype=torch.long), none,
-                                                        torch.zeros(len(rows), dtype=torch.long), none,
-                                                        rows=torch.tensor(rows)))
+            tokens, has_output = unforced_step(gen, torch.ones(len(rows), dtype=torch.bool), user, torch.tensor(rows))
             if has_output[0]:
                 out.append(tokens[0].tolist())
         return out

@@ -1,4 +1,4 @@
-"""The model's part of a generation step, for the first b slots of a pool: PersonaPlex's temporal
+"""The model's part of a generation step, for the b rows a step carries: PersonaPlex's temporal
 transformer on a position's input embeddings, the text token, then the depformer over the agent's
 8 codebooks, each sampled per conversation (sampling.py). It runs inside the step's CUDA graph
 (generation.py, step_graphs.py): fixed shapes, no host syncs.

@@ -26,7 +26,7 @@ class StepGraphs:
         return len(self._graphs)
 
     def get(self, b: int, top_k_text_bound: int, top_k_bound: int) -> CUDAGraphed:
-        """The step of the first `b` slots at these top-k bounds, its graph made on first use."""
+        """The step of `b` rows (a batch bucket) at these top-k bounds, its graph made on first use."""
         key = (b, top_k_text_bound, top_k_bound)
         if key not in self._graphs:
             # A CUDA graph freed while another is being captured (by a garbage collection of

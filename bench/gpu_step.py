@@ -6,7 +6,7 @@ the baseline).
     python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 16 32 64 --fill 400 3000 --out bench/results
     python bench/gpu_step.py --tokenizer TOKENIZER.model --slots 1 8 32 64 128 --attention ring \
         --kv-dtype bfloat16 float8_e4m3fn                              (bf16 against fp8 KV)
-    python bench/gpu_step.py --from-json bench/results/gpu_step.json   (table and plot again)
+    python bench/gpu_step.py --from-json bench/results/gpu_step-h200-838a005.json   (table and plot again)
 
 Writes gpu_step.{json,md,png} (gpu_step_eager.* with --no-cuda-graphs) under --out. A tick =
 one temporal-transformer step, the depformer over the agent's 8 codebooks, sampling, results on

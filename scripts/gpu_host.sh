@@ -24,7 +24,7 @@
 #
 # On the lent machine each step is one `device` call (a warm machine keeps build/ and
 # checkpoints/ between calls, and a server started): install part2 + test-library + engine;
-# install part1 + checkpoint + test; serve + bench. The README's "Serving on a GPU host"
+# install part1 + checkpoint + test; serve + bench. docs/gpu-serving.md's "Running on the lent H200"
 # section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -142,7 +142,7 @@ MAX_TOP_K = 500
 TOP_K_BUCKETS = (TOP_K, MAX_TOP_K)
 TOP_K_TEXT_BUCKETS = (TOP_K_TEXT, MAX_TOP_K)
 
-# Limits on what one request may ask of the server (README, "Limits"); each bounds the work,
+# Limits on what one request may ask of the server (docs/reliability.md); each bounds the work,
 # memory or compiled state a client can cause.
 MAX_ROLE_PROMPT_CHARS = 4000   # checked before tokenizing
 MAX_ROLE_PROMPT_TOKENS = 256   # one prefill step per token; PersonaPlex's prompts take a few dozen

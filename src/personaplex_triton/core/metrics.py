@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import urllib.request
 
-# name: (kind, description); the README's "Metrics" lists the same.
+# name: (kind, description); docs/reliability.md's "Metrics" lists the same.
 FAMILIES = {
     "personaplex_conversations_active": ("gauge", "Conversations holding a slot"),
     "personaplex_conversations_prefilling": ("gauge", "Conversations still playing their persona prefill"),

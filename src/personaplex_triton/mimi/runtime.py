@@ -133,7 +133,7 @@ class OnnxRuntimeRunner(StepRunner):
         options.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
         # Idle threads sleep rather than spin, even within a run: spinning made the decode
         # alone faster, but both stages and the LM share the cores, and served it was no
-        # better (README: Mimi on ONNX Runtime).
+        # better (docs/mimi.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         super().__init__(stage, "onnxruntime", str(path), torch.device("cpu"), specs, list(skipped))

@@ -1,7 +1,7 @@
 """Audio helpers shared by the client and the server: WAV I/O, resampling, framing.
 
 numpy only (no scipy, no torch), so that the client installs light. The server library adds
-loudness normalisation (`personaplex_triton.audio`).
+loudness normalisation (`personaplex_triton.core.audio`).
 
 All audio here is float32 mono in [-1, 1] at `contract.SAMPLE_RATE` (24 kHz) unless a
 function says otherwise.

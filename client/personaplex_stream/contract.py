@@ -2,8 +2,8 @@
 
 It lives in the client package because both sides need it and the client must install
 without the server's packages; the server library imports it from here (as
-`personaplex_triton.contract`). `INPUTS` and `OUTPUTS` are the one place where the tensors'
-types and shapes are written: the model configurations (`personaplex_triton.model_configs`)
+`personaplex_triton.core.contract`). `INPUTS` and `OUTPUTS` are the one place where the tensors'
+types and shapes are written: the model configurations (`personaplex_triton.serving.model_configs`)
 and the client are made from them.
 """
 

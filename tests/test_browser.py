@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -188,7 +189,7 @@ def test_a_conversation_in_the_page(page, gateway):
     assert ended["latencyMedianMs"] > 0
     # the readout and the state it shows, read at one moment (a late answer may still move them)
     median, shown = page.evaluate("[window.personaplex.latencyMedianMs, document.getElementById('latency').textContent]")
-    assert shown == f"{round(median)} ms"
+    assert shown == f"{math.floor(median + 0.5)} ms"  # JavaScript's Math.round: 54.5 -> 55 (Python's round: 54)
 
     # The recording: stereo 24 kHz, the user (the fake microphone's speech) left, the agent right.
     with page.expect_download() as download:

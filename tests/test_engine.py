@@ -307,6 +307,21 @@ def test_unattributed_fault_is_retried_once():
         engine.shutdown()
 
 
+def test_the_schedulers_tick_model_takes_every_tick_the_stage_ran():
+    from personaplex_triton.engine.scheduler import MODEL_MIN_TICKS
+
+    stage = CountingStage(2)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        assert engine.scheduler.model.fit() is None
+        run(engine, 1, list(range(MODEL_MIN_TICKS)))
+        fixed, per_frame = engine.scheduler.model.fit()  # one conversation: ticks of 1 frame
+        assert fixed > 0 and per_frame == 0
+    finally:
+        engine.shutdown()
+
+
 def test_a_tick_out_of_gpu_memory_keeps_the_live_conversations_and_refuses_newcomers():
     stage = FaultyStage(2)
     engine = SlotEngine(stage)

@@ -75,7 +75,7 @@ class SlotEngine:
         outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
             f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE))
         ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults,
-                        on_out_of_memory=self.scheduler.out_of_memory)
+                        on_tick=self.scheduler.record, on_out_of_memory=self.scheduler.out_of_memory)
         self._loop = EngineLoop(name, stage, self._cond, self._table, self.scheduler, ticker, outbox, self._fail,
                                 self._stop_all,
                                 self.metrics, idle_timeout_s)

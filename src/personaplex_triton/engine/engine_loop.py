@@ -89,7 +89,7 @@ class EngineLoop(threading.Thread):
         with self._lock:
             plan = self._scheduler.schedule()
         if plan:
-            self._scheduler.record(plan, self._ticker.tick(plan.items))
+            self._ticker.tick(plan.items)
         self._report_occupancy()
         return True
 

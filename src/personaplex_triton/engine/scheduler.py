@@ -13,9 +13,9 @@ until the oldest waiting item's group has all arrived, at most `gather_max_s` (a
 group may never come: its conversation ended). One talker tick then makes one decoder tick,
 not a few fragments that each take the GPU from the talker.
 
-`record()` takes each tick's frames and duration: frames per tick, ticks per second and the
-busy fraction (the stage's time in ticks over wall time), and a linear tick-cost model
-(`TickModel`) from which `admission_error` refuses a newcomer that would make the live
+`record()` takes each tick's frames and duration (the ticker's, which the metrics count too:
+frames per tick, ticks per second and the busy fraction are theirs) into a linear tick-cost
+model (`TickModel`), from which `admission_error` refuses a newcomer that would make the live
 conversations late.
 """
 
@@ -29,7 +29,6 @@ from typing import Any, Callable
 from .conversations import ConversationTable
 
 FRAME_S = 0.08          # a frame of audio: one conversation's frames arrive this often
-WINDOW_S = 5.0          # the span the tick statistics are taken over
 MODEL_TICKS = 256       # ticks the cost model is fitted on
 MODEL_MIN_TICKS = 32    # fewer: no admission by time yet (nothing measured)
 MEMORY_FULL_S = 30.0    # after a tick ran out of GPU memory, newcomers are refused this long
@@ -43,15 +42,6 @@ class TickPlan:
 
     def __len__(self) -> int:
         return len(self.items)
-
-
-@dataclass(frozen=True)
-class TickStats:
-    """The last WINDOW_S of ticks: how many a second, frames each (mean), time in ticks."""
-
-    ticks_per_s: float
-    frames_per_tick: float
-    busy_fraction: float
 
 
 class TickModel:
@@ -105,7 +95,6 @@ class Scheduler:
         self.gather_max_s = gather_max_s
         self.admission_tick_s = admission_tick_s
         self._clock = clock
-        self._ticks: deque[tuple[float, int, float]] = deque()  # (ended at, frames, seconds)
         self.model = TickModel()
         self._memory_full_at: float | None = None
 
@@ -134,21 +123,9 @@ class Scheduler:
         return TickPlan({c.slot: (c, *c.queue.popleft()) for c in self._table.live() if c.queue})
 
     # -- what ticks cost ----------------------------------------------------------------------
-    def record(self, plan: TickPlan, seconds: float) -> None:
-        """A tick of `plan` took `seconds`."""
-        now = self._clock()
-        self._ticks.append((now, len(plan), seconds))
-        while self._ticks and self._ticks[0][0] < now - WINDOW_S:
-            self._ticks.popleft()
-        self.model.add(len(plan), seconds)
-
-    def stats(self) -> TickStats:
-        ticks = list(self._ticks)
-        if not ticks:
-            return TickStats(0.0, 0.0, 0.0)
-        span = max(min(WINDOW_S, self._clock() - ticks[0][0] + ticks[0][2]), 1e-9)
-        return TickStats(len(ticks) / span, sum(k for _, k, _ in ticks) / len(ticks),
-                         min(sum(t for _, _, t in ticks) / span, 1.0))
+    def record(self, frames: int, seconds: float) -> None:
+        """A tick stepped `frames` frames in `seconds`."""
+        self.model.add(frames, seconds)
 
     def out_of_memory(self) -> None:
         """A tick ran out of GPU memory: newcomers are refused for MEMORY_FULL_S."""

@@ -29,10 +29,12 @@ log = logging.getLogger(__name__)
 class Ticker:
     def __init__(self, name: str, stage, lock: threading.Condition, fail: Callable[[Conversation, str, str], None],
                  outbox: Outbox, metrics: Metrics, faults: FaultPlan | None = None,
+                 on_tick: Callable[[int, float], None] = lambda frames, seconds: None,
                  on_out_of_memory: Callable[[], None] = lambda: None):
         """`stage`: the engine's (engine.Stage); `lock`: the engine's, over its conversations;
-        `fail(conversation, message, reason)` ends a conversation; `on_out_of_memory()`: a tick
-        ran out of GPU memory."""
+        `fail(conversation, message, reason)` ends a conversation; `on_tick(frames, seconds)`: a
+        stage's tick stepped that many frames in that time (as the metrics count it);
+        `on_out_of_memory()`: a tick ran out of GPU memory."""
         self.name = name
         self.stage = stage
         self._lock = lock
@@ -40,16 +42,15 @@ class Ticker:
         self._outbox = outbox
         self.metrics = metrics
         self.faults = faults
+        self._on_tick = on_tick
         self._on_out_of_memory = on_out_of_memory
         self.tick_span = (0.0, 0.0)  # wall-clock start and end of the last tick, for the trace
 
-    def tick(self, batch) -> float:
-        """Step `batch` (a TickPlan's items, scheduler.py) and put its answers in the outbox;
-        returns how long the stage's tick took."""
-        started = time.monotonic()
+    def tick(self, batch) -> None:
+        """Step `batch` (a TickPlan's items, scheduler.py) and put its answers in the outbox."""
         outputs = self._step(batch)
         if outputs is None:
-            return time.monotonic() - started
+            return
         answers = []
         for slot, (conv, request, _, queued) in batch.items():
             if conv.slot != slot:  # ended while stepping
@@ -60,7 +61,6 @@ class Ticker:
             answers.append(Answer(conv, request, outputs[slot], conv.answered, queued, self.tick_span, len(batch)))
             conv.answered += 1
         self._outbox.put(answers)
-        return self.tick_span[1] - self.tick_span[0]
 
     def _ticked(self, batch) -> list[Conversation]:
         """The conversations a tick steps: those with an item, less any ended meanwhile (by a
@@ -98,7 +98,9 @@ class Ticker:
             except Exception as exc:
                 error = exc
             else:
-                self.metrics.tick(time.monotonic() - started, len(ticked))
+                seconds = time.monotonic() - started
+                self.metrics.tick(seconds, len(ticked))
+                self._on_tick(len(ticked), seconds)
                 return outputs
             if not retried:
                 log.warning("%s: step failed (%s); retrying it once", self.name, error)

@@ -38,6 +38,7 @@ import aiohttp
 import numpy as np
 import sphn
 
+from personaplex_gateway.readiness import wait_answering
 from personaplex_stream import Persona, stream_conversation
 from personaplex_stream.audio import read_wav
 from personaplex_triton.core import contract
@@ -74,15 +75,7 @@ def gateway(triton_url: str, max_connections: int):
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(base + "/healthz", timeout=2)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the gateway did not come up")
-                time.sleep(0.2)
+        wait_answering(base, process, 30)
         yield base
     finally:
         process.terminate()

@@ -10,30 +10,13 @@ import argparse
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from personaplex_gateway.readiness import wait_answering
 from personaplex_triton.core.paths import REPO_ROOT
 from personaplex_triton.serving.launch import TritonServer
 
 GATEWAY_READY_S = 60
-
-
-def wait_gateway(url: str, gateway: subprocess.Popen, timeout_s: float) -> None:
-    """Until the gateway's /healthz answers 200 (Triton behind it ready); raises if it exits first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if gateway.poll() is not None:
-            raise RuntimeError(f"the gateway exited with code {gateway.returncode}")
-        try:
-            with urllib.request.urlopen(url + "healthz", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"the gateway at {url} was not ready after {timeout_s:.0f} s")
 
 
 def interrupt(_signum, _frame):
@@ -68,7 +51,7 @@ def main() -> int:
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 local = args.host in ("127.0.0.1", "0.0.0.0", "localhost")
-                wait_gateway(f"http://{'127.0.0.1' if local else args.host}:{args.port}/", gateway, GATEWAY_READY_S)
+                wait_answering(f"http://{'127.0.0.1' if local else args.host}:{args.port}/", gateway, GATEWAY_READY_S)
                 print(f"\nOpen http://{'localhost' if local else args.host}:{args.port}/\n"
                       "(Ctrl-C stops the gateway and tritonserver)", flush=True)
                 gateway.wait()

@@ -16,10 +16,8 @@ import io
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import wave
@@ -29,6 +27,7 @@ import numpy as np
 import pytest
 from playwright.sync_api import sync_playwright
 
+from personaplex_gateway.readiness import wait_answering
 from personaplex_triton.serving.launch import free_port
 
 pytestmark = pytest.mark.integration
@@ -69,24 +68,6 @@ REFUSE_24KHZ = """{
     }
   };
 }"""
-
-
-def wait_answering(url: str, process: subprocess.Popen, timeout_s: float, ready: bool) -> None:
-    """Until the gateway's /healthz answers: 200 (Triton ready) if `ready`, else any status."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the gateway exited with code {process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "healthz", timeout=2):
-                return
-        except urllib.error.HTTPError:
-            if not ready:
-                return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"the gateway at {url} did not answer as ready after {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import pytest
 import sphn
 
 from personaplex_stream import contract
+from personaplex_gateway.readiness import wait_answering
 from personaplex_gateway.voices import voices_in_checkpoint
 from personaplex_stream.audio import read_wav
 from personaplex_triton.core.metrics import scrape
@@ -53,17 +54,11 @@ def gateway_process(triton_url: str, *flags: str, scheme: str = "http", trust: s
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"{scheme}://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/healthz", timeout=2, context=trust) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not come up: {process.stdout.read().decode(errors='replace')}")
-            time.sleep(0.2)
+        try:
+            wait_answering(url, process, 30, context=trust)
+        except (RuntimeError, TimeoutError) as exc:
+            process.kill()
+            raise RuntimeError(f"{exc}: {process.stdout.read().decode(errors='replace')}") from None
         yield url
     finally:
         process.terminate()

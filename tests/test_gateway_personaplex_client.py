@@ -14,7 +14,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ if not Path(CHROMIUM).is_file():
 
 from playwright.sync_api import sync_playwright  # noqa: E402  (after the skips: the test extra has it)
 
+from personaplex_gateway.readiness import wait_answering  # noqa: E402
 from personaplex_triton.serving.launch import free_port  # noqa: E402
 
 BROWSER_ARGS = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
@@ -51,14 +51,7 @@ def test_personaplex_web_client_talks_through_the_gateway_unchanged(server, tiny
     base = f"http://localhost:{port}"  # the client opens its socket on the page's own host and port
     received, errors = [], []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(base + "/healthz", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and gateway.poll() is None, "the gateway did not come up"
-                time.sleep(0.25)
+        wait_answering(base, gateway, 60)
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
             page = browser.new_page()

@@ -43,6 +43,19 @@ def _rows_view(state, num_slots: int, rows: slice):
     return view
 
 
+@contextmanager
+def _seeing(views: list):
+    """Context: each module sees its view ((module, pool state, view) each); afterwards its
+    pool state again."""
+    for module, _, view in views:
+        module._streaming_state = view
+    try:
+        yield
+    finally:
+        for module, state, _ in views:
+            module._streaming_state = state
+
+
 class CarriedRows:
     """The modules' states over the b rows a step carries: b-row copies of each state's small
     tensors, filled from the pool's rows `rows[i]` by `load` and written back by `store`; both
@@ -54,7 +67,6 @@ class CarriedRows:
     `store` writes them back up to one past it (the entry a step adds)."""
 
     def __init__(self, full: list, num_slots: int, b: int, device, indexed_kv: bool):
-        self.b = b
         self.num_slots = num_slots
         self.indexed_kv = indexed_kv
         self.rows = torch.arange(b, device=device)  # the slot table; `load` copies a step's into it
@@ -103,16 +115,9 @@ class CarriedRows:
                     n = kv.capacity if filled is None else min(filled + 1, kv.capacity)
                     kv.cache[:, rows, :, :n] = view.kv_cache.cache[:, :, :, :n]
 
-    @contextmanager
     def seen(self):
         """Context: the modules see these rows."""
-        for module, _, view in self.views:
-            module._streaming_state = view
-        try:
-            yield
-        finally:
-            for module, state, _ in self.views:
-                module._streaming_state = state
+        return _seeing(self.views)
 
 
 class SlotStates:
@@ -135,8 +140,8 @@ class SlotStates:
 
     def consecutive(self, first: int, b: int):
         """Context: the modules see the b slots from `first` (views; no copies)."""
-        return self._seeing([(m, _rows_view(state, self.num_slots, slice(first, first + b)))
-                             for m, state in self._full])
+        return _seeing([(m, state, _rows_view(state, self.num_slots, slice(first, first + b)))
+                        for m, state in self._full])
 
     def end_offsets(self) -> torch.Tensor:
         """Each slot's count of ring entries written (every layer's ring steps alike)."""
@@ -175,13 +180,3 @@ class SlotStates:
                 # cache[:, slots] is [2, len(slots), heads, length, dim]: the row's kv gets the slots' axis
                 kv.cache[:, slots, :, :row["kv"].shape[2]] = store(row["kv"], kv.cache.dtype).unsqueeze(1)
                 kv.end_offset[slots] = row["kv_end_offset"]
-
-    @contextmanager
-    def _seeing(self, views):
-        for module, view in views:
-            module._streaming_state = view
-        try:
-            yield
-        finally:
-            for module, state in self._full:
-                module._streaming_state = state

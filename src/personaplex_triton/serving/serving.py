@@ -22,6 +22,7 @@ from ..core.faults import FaultPlan
 from ..core.metrics import Metrics
 from ..engine.engine import ConversationError, SlotEngine
 from ..lm.sampling import SamplingParams
+from ..stages.code2wav import Code2Wav, CodesFrame, tick_group
 from ..stages.persona import PromptTooLong
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,6 @@ class Code2WavService:
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, metrics: Metrics | None = None):
         from ..mimi.runtime import open_step
-        from ..stages.code2wav import Code2Wav, tick_group
 
         self.metrics = metrics or Metrics()
         use_device_threads(device)
@@ -304,8 +304,6 @@ class Code2WavService:
                                  gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
-        from ..stages.code2wav import CodesFrame
-
         try:
             codes = arrays.get(seam.AGENT_CODES)
             if codes is None or codes.shape != (seam.NUM_AGENT_CODEBOOKS,) or codes.dtype != np.int64:

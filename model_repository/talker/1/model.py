@@ -9,7 +9,7 @@ from personaplex_triton.serving.triton_adapter import (
     TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder,
     sequence_flags, sequence_idle_s)
 
-INPUTS = (contract.AUDIO_IN, *contract.PERSONA_INPUTS)
+INPUTS = tuple(spec.name for spec in contract.INPUTS)
 DECODER = "code2wav"  # the next stage, whose sequences this one ends at shutdown
 
 

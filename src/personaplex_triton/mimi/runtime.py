@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ..core.buckets import batch_buckets, bucket_for
 from .artefacts import onnx_path, plan_path, read_metadata, stale_reason
-from .steps import STEPS, MimiStep, TensorSpec
+from .steps import STEPS, MimiStep, TensorSpec, write_state
 
 RUNTIMES = ("tensorrt", "onnxruntime", "torch")
 
@@ -56,8 +57,20 @@ class StepRunner:
         The outputs may be reused by the next run: copy what you keep."""
         raise NotImplementedError
 
-    def prepare(self, max_batch: int) -> None:
-        """Get ready for every batch size up to `max_batch` before serving (graphs, engines)."""
+    def run_rows(self, x: torch.Tensor, slots: list[int], pool: list[torch.Tensor], spare: int) -> torch.Tensor:
+        """One step of the streams in rows `slots` (sorted) of `pool`, the state tensors
+        ([rows, ...] each, offset first), which it reads and writes back in place; `x` holds
+        their inputs, on any device. `spare`: a row of `pool` no stream uses, which a padded
+        batch may write. Returns the step's output, valid until the next run."""
+        x = x.to(self.device)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        rows = slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, device=self.device)
+        y, outputs = self.run(x, [tensor[rows] for tensor in pool])
+        write_state(pool, rows, outputs, self.state_specs)
+        return y
+
+    def prepare(self, pool: list[torch.Tensor], spare: int) -> None:
+        """Get ready for every batch of `pool`'s streams before serving (graphs, engines)."""
 
     def describe(self) -> str:
         passed = "".join(f"; not {why}" for why in self.skipped)
@@ -72,53 +85,70 @@ class StepRunner:
 
 
 class TorchStepRunner(StepRunner):
-    """The step in PyTorch: eager on the CPU; on a CUDA device each step replays a CUDA graph,
-    one per bucket of batch sizes (powers of two, rows past the batch padding), since eager
-    kernels launch one by one there. Its outputs are valid until its next run."""
+    """The step in PyTorch: eager on the CPU. On a CUDA device a pool's step replays a CUDA
+    graph, one per batch bucket (core/buckets.py; rows past the batch read and write the pool's
+    spare row), which gathers the rows' state, steps them and writes their state back: eager,
+    that is a few hundred small kernels, whose launches kept the talker's encode thread busy
+    75% of the time at 64 conversations on the H200 (docs/gpu-serving.md)."""
 
     def __init__(self, stage: str, mimi, skipped=(), cuda_graphs: bool | None = None):
         self.step: MimiStep = STEPS[stage](mimi).eval()
         device = next(mimi.parameters()).device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, static inputs, static outputs)
+        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, static input, static rows, static output)
+        self._pool: list[torch.Tensor] | None = None  # what the graphs read and write
         source = f"mimi.steps.{type(self.step).__name__}" + (", CUDA graphs" if self.cuda_graphs else "")
         super().__init__(stage, "torch", source, device, self.step.state_specs(), list(skipped))
 
     @torch.no_grad()
     def run(self, x, states):
-        if not self.cuda_graphs:
-            y, *new_states = self.step(x, *states)
-            return y, new_states
-        n = x.shape[0]
-        bucket = 1 << (n - 1).bit_length()
-        graph, inputs, outputs = self._graphs.get(bucket) or self._capture(bucket)
-        for static, value in zip(inputs, (x, *states)):
-            static[:n].copy_(value)
-        graph.replay()
-        return outputs[0][:n], [out[:n] for out in outputs[1:]]
+        y, *new_states = self.step(x, *states)
+        return y, new_states
 
     @torch.no_grad()
-    def prepare(self, max_batch: int) -> None:
-        """Capture the graph of every bucket up to max_batch now, not inside a live tick."""
-        if self.cuda_graphs:
-            for i in range((max_batch - 1).bit_length() + 1):
-                if 1 << i not in self._graphs:
-                    self._capture(1 << i)
+    def run_rows(self, x, slots, pool, spare):
+        if not self.cuda_graphs:
+            return super().run_rows(x, slots, pool, spare)
+        if pool is not self._pool:
+            self.prepare(pool, spare)
+        n = len(slots)
+        bucket = bucket_for(n, sorted(self._graphs))
+        graph, static_x, static_rows, y = self._graphs[bucket]
+        static_x[:n].copy_(x)
+        static_rows.copy_(torch.tensor(slots + [spare] * (bucket - n)))
+        graph.replay()
+        return y[:n]
 
-    def _capture(self, bucket: int) -> tuple:
-        step = self.step
-        inputs = [torch.zeros((bucket, *spec.shape), dtype=spec.dtype, device=self.device)
-                  for spec in (step.input, *self.state_specs)]
+    @torch.no_grad()
+    def prepare(self, pool, spare):
+        """Capture the graph of every bucket for `pool` now, not inside a live tick: largest
+        first, in one memory pool (a tick replays one graph at a time)."""
+        if not self.cuda_graphs:
+            return
+        self._graphs.clear()
+        self._pool = pool
+        memory = torch.cuda.graph_pool_handle()
+        for bucket in reversed(batch_buckets(pool[0].shape[0] - 1)):
+            self._graphs[bucket] = self._capture(bucket, pool, spare, memory)
+
+    def _capture(self, bucket: int, pool: list[torch.Tensor], spare: int, memory) -> tuple:
+        x = torch.zeros((bucket, *self.step.input.shape), dtype=self.step.input.dtype, device=self.device)
+        rows = torch.full((bucket,), spare, dtype=torch.long, device=self.device)
+
+        def step() -> torch.Tensor:
+            y, outputs = self.run(x, [tensor.index_select(0, rows) for tensor in pool])
+            write_state(pool, rows, outputs, self.state_specs)
+            return y
+
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up, as capture requires, off the main stream
-            step(*inputs)
+        with torch.cuda.stream(side):  # warm-up, as capture requires, off the main stream (spare row only)
+            step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = list(step(*inputs))
-        self._graphs[bucket] = (graph, inputs, outputs)
-        return self._graphs[bucket]
+        with torch.cuda.graph(graph, pool=memory):
+            y = step()
+        return graph, x, rows, y
 
 
 class OnnxRuntimeRunner(StepRunner):

@@ -1,9 +1,9 @@
 """Streaming Mimi for a pool of conversation slots: one batched step per tick.
 
-The pool holds every slot's state tensors ([slots, ...] each, offset first); a tick gathers
-the rows of the slots with a frame (a view when they are consecutive), runs one step of them
-on the runner and writes what changed back (rings: only their new entries). A fresh stream
-is all zeros, so a reset zeroes a row.
+The pool holds every slot's state tensors ([slots + 1, ...] each, offset first: the last row
+is spare, for the rows a padded batch carries); a tick's step, on the runner, gathers the rows
+of the slots with a frame, steps them and writes what changed back (rings: only their new
+entries). A fresh stream is all zeros, so a reset zeroes a row.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .runtime import StepRunner
-from .steps import STEPS, write_state
+from .steps import STEPS
 
 
 class MimiSlots:
@@ -20,9 +20,10 @@ class MimiSlots:
         self.runner = runner
         self.num_slots = num_slots
         self.input = STEPS[runner.stage].input
-        self.state = [torch.zeros((num_slots, *spec.shape), dtype=spec.dtype, device=runner.device)
+        self.spare = num_slots
+        self.state = [torch.zeros((num_slots + 1, *spec.shape), dtype=spec.dtype, device=runner.device)
                       for spec in runner.state_specs]
-        runner.prepare(num_slots)
+        runner.prepare(self.state, self.spare)
 
     def reset(self, slots) -> None:
         """Fresh state for these slots."""
@@ -33,12 +34,7 @@ class MimiSlots:
     def _step(self, items: dict[int, np.ndarray]) -> tuple[list[int], torch.Tensor]:
         slots = sorted(items)
         x = torch.stack([torch.as_tensor(np.asarray(items[s]), dtype=self.input.dtype) for s in slots])
-        x = x.view(len(slots), *self.input.shape).to(self.runner.device)
-        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        rows = slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, device=x.device)
-        y, outputs = self.runner.run(x, [tensor[rows] for tensor in self.state])
-        write_state(self.state, rows, outputs, self.runner.state_specs)
-        return slots, y
+        return slots, self.runner.run_rows(x.view(len(slots), *self.input.shape), slots, self.state, self.spare)
 
     def encode(self, frames: dict[int, np.ndarray]) -> dict[int, torch.Tensor]:
         """A [1920] frame per slot -> its codes [8] (int64, on the CPU), in one batched step."""

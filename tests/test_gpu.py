@@ -194,3 +194,45 @@ def test_torch_mimi_step_on_gpu_matches_moshi_streaming(stage, cuda_graphs):
         assert_parity(TorchStepRunner(stage, mimi, cuda_graphs=cuda_graphs), mimi)
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
+
+
+def test_the_talkers_encode_on_a_stream_of_its_own_gives_the_same_tokens(files):
+    """On a GPU the talker queues each tick's Mimi encode on a stream of its own, beside the
+    step, and the next tick's step waits for it there: the same tokens and token grid as a
+    talker that encodes before it steps, greedy and sampled, two conversations in slots apart,
+    the second joining mid-way (its start writes the first's pending codes)."""
+    import numpy as np
+
+    from personaplex_triton.core import loaders
+    from personaplex_triton.mimi.runtime import open_step
+    from personaplex_triton.stages.persona import Persona, VoicePrompt, load_voice
+    from personaplex_triton.stages.talker import Talker, TalkerSetup
+
+    voice = VoicePrompt("NATF0-short", frames=load_voice(files.voices / "NATF0.wav").frames[:8])
+    frames = (0.1 * np.random.default_rng(7).standard_normal((16, 1920))).astype(np.float32)
+    lm, tokenizer = loaders.get_lm(files, "cuda"), loaders.get_tokenizer(files)
+    talkers = [Talker(lm, open_step("encoder", files, device="cuda"), tokenizer, SLOTS, encode_after=after)
+               for after in (True, False)]
+    try:
+        assert talkers[0]._encode_stream is not None and talkers[0]._encoder is None
+        for sampling in (SamplingParams(greedy=True), SamplingParams(seed=8)):
+            runs = []
+            for talker in talkers:
+                talker.start(0, TalkerSetup(Persona(voice, ()), sampling))
+                answers = []
+                for i, frame in enumerate(frames):
+                    if i == 5:
+                        talker.start(3, TalkerSetup(Persona(voice, ()), SamplingParams(seed=3)))
+                    out = talker.tick({0: frame, **({3: frame[::-1].copy()} if i >= 5 else {})})
+                    answers.append([(s, step.text_token, tuple(map(int, step.codes))) for s, step in sorted(out.items())])
+                talker.settle()
+                grid = talker.generator.grid
+                runs.append((answers, grid.cache[[0, 3]].cpu(), grid.provided[[0, 3]].cpu()))
+                talker.stop(0)
+                talker.stop(3)
+            (ours, cache, provided), (theirs, cache_first, provided_first) = runs
+            assert ours == theirs and sum(len(a) for a in ours) > len(frames)
+            assert torch.equal(cache, cache_first) and torch.equal(provided, provided_first)
+    finally:
+        for talker in talkers:
+            talker.close()

@@ -405,8 +405,8 @@ def test_a_tick_waits_only_for_its_own_slots_codes(talker, wav_voice, user_frame
         talker.start(slot, setup(wav_voice, seed=slot))
     talker.tick({0: user_frames[0], 1: user_frames[0]})
     release, answered = threading.Event(), threading.Event()
-    encode = talker.mimi.encode
-    monkeypatch.setattr(talker.mimi, "encode", lambda frames: release.wait(60) and encode(frames))
+    encode = talker.mimi.encode_rows
+    monkeypatch.setattr(talker.mimi, "encode_rows", lambda frames: release.wait(60) and encode(frames))
     talker.tick({1: user_frames[1]})  # slot 1's encode now holds until released
     ticking = threading.Thread(target=lambda: talker.tick({0: user_frames[1]}) is not None and answered.set())
     ticking.start()
@@ -429,10 +429,10 @@ def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voic
 
     for slot in (0, 1, 2):
         talker.start(slot, setup(wav_voice, seed=slot))
-    encode = talker.mimi.encode
-    monkeypatch.setattr(talker.mimi, "encode", lambda frames: (_ for _ in ()).throw(RuntimeError("no codes")))
+    encode = talker.mimi.encode_rows
+    monkeypatch.setattr(talker.mimi, "encode_rows", lambda frames: (_ for _ in ()).throw(RuntimeError("no codes")))
     talker.tick({0: user_frames[0], 1: user_frames[0]})  # answered; its encode fails behind it
-    monkeypatch.setattr(talker.mimi, "encode", encode)
+    monkeypatch.setattr(talker.mimi, "encode_rows", encode)
     batch, failed = {0: user_frames[1], 1: user_frames[1], 2: user_frames[1]}, []
     for _ in range(3):  # what the engine does: end the conversation named, step the rest again
         try:

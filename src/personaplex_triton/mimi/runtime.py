@@ -114,8 +114,9 @@ class TorchStepRunner(StepRunner):
         n = len(slots)
         bucket = bucket_for(n, sorted(self._graphs))
         graph, static_x, static_rows, y = self._graphs[bucket]
-        static_x[:n].copy_(x)
-        static_rows.copy_(torch.tensor(slots + [spare] * (bucket - n)))
+        # from pinned memory, so that the copies queue on the stream and the host goes on
+        static_x[:n].copy_(x.pin_memory() if x.device.type == "cpu" else x, non_blocking=True)
+        static_rows.copy_(torch.tensor(slots + [spare] * (bucket - n), pin_memory=True), non_blocking=True)
         graph.replay()
         return y[:n]
 

@@ -40,9 +40,15 @@ class MimiSlots:
         """A [1920] frame per slot -> its codes [8] (int64, on the CPU), in one batched step."""
         if not frames:
             return {}
-        slots, codes = self._step(frames)
-        codes = codes[:, :, 0].cpu()
+        slots, codes = self.encode_rows(frames)
+        codes = codes.cpu()
         return {slot: codes[i] for i, slot in enumerate(slots)}
+
+    def encode_rows(self, frames: dict[int, np.ndarray]) -> tuple[list[int], torch.Tensor]:
+        """`encode` left where the runner made it: the slots, sorted, and their codes [n, 8]
+        (int64, on the runner's device; valid until the pool's next step)."""
+        slots, codes = self._step(frames)
+        return slots, codes[:, :, 0]
 
     def decode(self, codes: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Codes [8] per slot -> its 1920 PCM samples (float32), in one batched step."""

@@ -211,5 +211,5 @@ case "${1:-}" in
     engine) engine "${2:-}" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
-    *) sed -n '2,28p' "$0"; exit 2 ;;
+    *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

@@ -210,9 +210,8 @@ def test_the_talkers_encode_on_a_stream_of_its_own_gives_the_same_tokens(files):
 
     voice = VoicePrompt("NATF0-short", frames=load_voice(files.voices / "NATF0.wav").frames[:8])
     frames = (0.1 * np.random.default_rng(7).standard_normal((16, 1920))).astype(np.float32)
-    lm, tokenizer = loaders.get_lm(files, "cuda"), loaders.get_tokenizer(files)
-    talkers = [Talker(lm, open_step("encoder", files, device="cuda"), tokenizer, SLOTS, encode_after=after)
-               for after in (True, False)]
+    talkers = [Talker(loaders.get_lm(files, "cuda"), open_step("encoder", files, device="cuda"),
+                      loaders.get_tokenizer(files), SLOTS, encode_after=after) for after in (True, False)]
     try:
         assert talkers[0]._encode_stream is not None and talkers[0]._encoder is None
         for sampling in (SamplingParams(greedy=True), SamplingParams(seed=8)):

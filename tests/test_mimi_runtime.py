@@ -149,3 +149,26 @@ def test_write_state_puts_a_rings_new_entries_at_their_positions():
     assert state[1][1].tolist() == [[2.0, 0.0, 0.0, 1.0], [20.0, 0.0, 0.0, 10.0]]  # positions 3, 4 -> 3, 0
     assert state[1][2].tolist() == [[0.0, 3.0, 4.0, 0.0], [0.0, 30.0, 40.0, 0.0]]  # positions 5, 6 -> 1, 2
     assert state[2][1:].eq(1).all()
+
+
+@pytest.mark.parametrize("stage", ["encoder", "decoder"])
+def test_a_pools_step_touches_only_its_slots_rows(files, stage):
+    """A MimiSlots pool keeps one spare row past its slots (a graphed step's padded rows write
+    it); a step of some slots, apart or consecutive, changes their rows of every state tensor
+    and leaves every other slot's rows as they were."""
+    import numpy as np
+
+    from personaplex_triton.mimi.stream import MimiSlots
+
+    pool = MimiSlots(open_step(stage, files), SLOTS)
+    assert pool.spare == SLOTS and all(t.shape[0] == SLOTS + 1 for t in pool.state)
+    rng = np.random.default_rng(0)
+    frame = (lambda: rng.integers(0, 2048, 8)) if stage == "decoder" else \
+        (lambda: (0.1 * rng.standard_normal(1920)).astype(np.float32))
+    step = pool.decode if stage == "decoder" else pool.encode
+    for slots in ([0, 2], [1, 2]):  # apart, then consecutive
+        before = [t.clone() for t in pool.state]
+        step({s: frame() for s in slots})
+        others = [s for s in range(SLOTS + 1) if s not in slots]
+        assert all(torch.equal(b[others], t[others]) for b, t in zip(before, pool.state))
+        assert all(not torch.equal(b[s], t[s]) for s in slots for b, t in zip(before[:1], pool.state[:1]))

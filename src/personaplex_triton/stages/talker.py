@@ -306,7 +306,7 @@ class Talker:
             self._encodings.append((self._encoder.submit(lambda: encode(user_frames)[1]), slots, positions))
         return answers
 
-    def _queue_encode(self, frames: dict[int, np.ndarray], after: torch.cuda.Event) -> "QueuedEncode":
+    def _queue_encode(self, frames: dict[int, np.ndarray], after: torch.cuda.Event) -> "QueuedEncode | Future":
         """The encode of `frames` on the encode stream, after what the main stream queued
         before `after` (the last tick's codes written, resets), not after the step."""
         try:

@@ -21,8 +21,11 @@ the other N - 1 reach the full length, and each newcomer's prefill runs beside t
 from __future__ import annotations
 
 import dataclasses
+import json
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from personaplex_stream import Persona, new_sequence_id, stream_conversation
@@ -246,13 +249,57 @@ def load_row(n: int, outcomes: list[Outcome], go: float, pool: int | None = None
     return row
 
 
+def add_traces(row: dict, trace_dir, served: list[Outcome], go: float, aged: int = 0) -> None:
+    """What the stages' frame traces under `trace_dir` say of a level (`row`, load_row of the
+    `served` outcomes, started at `go`): where a frame's time goes (trace.breakdown; not with an
+    aged start, as it follows a conversation's frames from its first and the aged ones would
+    swamp it) and each stage's ticks over the paced part (bench.ticks); and each of its windows
+    the same two, of the paced frames sent in it and the ticks that started in it, so that what
+    changed when latency did shows."""
+    results = [o.result for o in served]
+    end = max(r.started_at + r.wall_s for r in results)  # the last answer
+    if not aged:
+        row["trace"] = trace.breakdown(trace_dir, results)  # it waits for the stages' last lines: read after it
+    records = ticks.read(trace_dir)
+    row["ticks"] = ticks.stage_ticks(records, go, end)
+    for window, inside in zip(row["windows"], _records_by_window(records, served, go, len(row["windows"]))):
+        start = go + window["start_s"]
+        window["ticks"] = ticks.stage_ticks(records, start, min(start + WINDOW_S, end))
+        window["trace"] = _breakdown_of(inside, results)
+
+
+def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go: float, count: int) -> list[dict]:
+    """Per window (stats.windows' of the paced frames), {stage: the records of the frames sent in it}."""
+    window_of = {}  # (conversation, frame index): window
+    for o in served:
+        for j, w in enumerate(stats.window_index(o.measured_send_s(go), WINDOW_S)):
+            window_of[(o.result.sequence_id, o.talk.aged + j)] = int(w)
+    found = [{stage: [] for stage in records} for _ in range(count)]
+    for stage, stage_records in records.items():
+        for record in stage_records:
+            w = window_of.get((record["conversation"], record["index"]))
+            if w is not None:
+                found[w][stage].append(record)
+    return found
+
+
+def _breakdown_of(records: dict[str, list[dict]], results: list) -> dict:
+    """trace.breakdown of these records alone: it reads a trace directory, so they go to one of
+    their own, and a window's figures come from the code of the level's (frames without a record
+    there are left out)."""
+    with tempfile.TemporaryDirectory(prefix="window-trace-") as directory:
+        for stage, stage_records in records.items():
+            Path(directory, f"{stage}-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stage_records))
+        return trace.breakdown(directory, results, wait_s=0)
+
+
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
           persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
           trace_dir=None, gpu_memory=None) -> list[dict]:
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
-    frames are followed through the stages (not with an aged start), and each stage's ticks over
-    the level's paced part counted (bench.ticks). `gpu_memory()`: GiB in use, sampled at the end of each level."""
+    frames are followed through the stages and each stage's ticks counted, over the level and per
+    window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
@@ -261,11 +308,9 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
         outcomes, go = conversations(url, talks, log)
         row = load_row(n, outcomes, go, pool)
-        served = [o.result for o in outcomes if o.error is None]
+        served = [o for o in outcomes if o.error is None]
         if trace_dir is not None and served:
-            if not aged:  # the breakdown follows a conversation's frames from its first: aged ones would swamp it
-                row["trace"] = trace.breakdown(trace_dir, served)
-            row["ticks"] = ticks.stage_ticks(trace_dir, go, max(r.started_at + r.wall_s for r in served))
+            add_traces(row, trace_dir, served, go, aged)
         if gpu_memory is not None:
             row["gpu_memory_gib"] = gpu_memory()
         log(f"  p50 {row['p50']} ms, p99 {row['p99']} ms, late {row['late']}/{row['frames']}, failed {row['failed']}, "

@@ -251,6 +251,7 @@ def _load_section(result: dict) -> list[str]:
     lines += ["", "Largest number of conversations held: " + (f"**{best}**." if best else "**none** of those tested.")
               + ("" if not aged else " (aged context)"), ""]
     lines += _windows_table(rows)
+    lines += _windows_trace_table(rows)
     lines += _ticks_table(rows)
     if aged and any(r.get("ticks") for r in rows):
         lines += ["Where a frame's time goes, segment by segment, is left out with an aged context: the traces "
@@ -289,6 +290,35 @@ def _windows_table(rows: list[dict]) -> list[str]:
         cells = [r["windows"][i] if i < len(r["windows"]) else None for r in rows]
         lines.append(f"| {window['start_s']:g} | " + " | ".join(
             f"{c['p99']} ({c['late']})" if c and c["frames"] else "-" for c in cells) + " |")
+    return lines + [""]
+
+
+# The segments of a frame's trip that a window's table shows (core/trace.py SEGMENTS; the JSON has them all):
+# where a frame waits on a stage's tick, or on its sending.
+WINDOW_SEGMENTS = ("wait for a talker tick", "talker tick", "talker send", "wait for a code2wav tick", "code2wav send")
+
+
+def _windows_trace_table(rows: list[dict]) -> list[str]:
+    """Per window along each traced level's run, the talker's ticks and the segments' medians
+    (loadgen.add_traces), beside its p99: what changed when latency did shows across a row."""
+    traced = [r for r in rows if r["windows"] and "ticks" in r["windows"][0]]
+    if not traced:
+        return []
+    lines = ["### Along the run, where the time goes", "",
+             "The same windows, from the stages' frame traces: the talker's ticks that started in the window (ticks "
+             "per second, tick p50 ms, frames a tick, mean), and the median ms of segments of the trip of the "
+             "frames sent in it (as in \"Where a frame's time goes\").", "",
+             "| conv. | from (s) | p99 (over 80 ms) | talker ticks/s | talker tick p50 (ms) | frames a tick | "
+             + " | ".join(WINDOW_SEGMENTS) + " |",
+             "|" + " ---: |" * (6 + len(WINDOW_SEGMENTS))]
+    for r in traced:
+        for w in r["windows"]:
+            t = w["ticks"]["talker"]
+            ticking = f"{t['ticks_per_s']} | {t['tick_ms_p50']} | {t['frames_per_tick_mean']}" if t else "- | - | -"
+            segments = [w["trace"]["segments_ms"][name] for name in WINDOW_SEGMENTS]
+            lines.append(f"| {r['conversations']} | {w['start_s']:g} | "
+                         + (f"{w['p99']} ({w['late']})" if w["frames"] else "-") + f" | {ticking} | "
+                         + " | ".join(_cell(c["p50"] if c else None) for c in segments) + " |")
     return lines + [""]
 
 

@@ -117,7 +117,7 @@ def windows(send_s: Sequence[float], latencies_ms: Sequence[float], window_s: fl
         raise ValueError(f"{len(send_s)} send times for {len(latencies_ms)} latencies")
     if not len(send_s):
         return []
-    index = np.floor(np.maximum(np.asarray(send_s, dtype=np.float64), 0.0) / window_s).astype(int)
+    index = window_index(send_s, window_s)
     latencies = np.asarray(latencies_ms, dtype=np.float64)
     found = []
     for w in range(int(index.max()) + 1):
@@ -125,3 +125,8 @@ def windows(send_s: Sequence[float], latencies_ms: Sequence[float], window_s: fl
         found.append({"start_s": round(w * window_s, 1), "frames": int(inside.size),
                       **percentiles(inside.tolist(), (50, 99)), "late": late_frames(inside)})
     return found
+
+
+def window_index(send_s: Sequence[float], window_s: float = 10.0) -> np.ndarray:
+    """The window of `windows` that each send time falls in (one sent before the level's start: the first)."""
+    return np.floor(np.maximum(np.asarray(send_s, dtype=np.float64), 0.0) / window_s).astype(int)

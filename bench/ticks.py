@@ -37,6 +37,11 @@ def tick_figures(records: list[dict], start: float, end: float) -> dict | None:
             "busy_fraction": round(float(seconds.sum()) / wall, 3)}
 
 
-def stage_ticks(trace_dir: str | os.PathLike, start: float, end: float) -> dict:
-    """{stage: tick_figures of its records under `trace_dir`} for both stages (None where none ticked)."""
-    return {stage: tick_figures(trace.read(trace_dir, stage), start, end) for stage in STAGES}
+def read(trace_dir: str | os.PathLike) -> dict[str, list[dict]]:
+    """{stage: its frame records under `trace_dir`} for both stages: read once for many stretches."""
+    return {stage: trace.read(trace_dir, stage) for stage in STAGES}
+
+
+def stage_ticks(records: dict[str, list[dict]], start: float, end: float) -> dict:
+    """{stage: tick_figures of its `records` (read)} for both stages (None where none ticked)."""
+    return {stage: tick_figures(records[stage], start, end) for stage in STAGES}

@@ -155,6 +155,63 @@ def test_tick_figures_count_the_ticks_of_the_stretch():
         ticks.tick_figures(records, 2.0, 1.0)
 
 
+def test_windows_gain_the_ticks_and_segments_of_their_own_stretch_from_the_traces(tmp_path):
+    """Two conversations, two frames each in each of two 10 s windows. First window: one talker
+    tick of 20 ms takes both conversations' frame, sent 2 ms after, and code2wav waits 3 ms for
+    its tick. Second: a tick of 40 ms each, one after the other (the second frame waits 40 ms
+    more), sent 6 ms after, and code2wav waits 5 ms."""
+    from types import SimpleNamespace
+
+    from bench import ticks
+    from personaplex_triton.core import trace
+
+    go = 1000.0
+    writers = {stage: trace.FrameTrace(stage, tmp_path) for stage in ticks.STAGES}
+    outcomes = []
+    for sequence_id in (7, 8):
+        latencies = []
+        for index, sent in enumerate((0.0, 5.0, 10.0, 15.0)):
+            first, later = sent < 10, sequence_id == 8
+            tick_ms, send_ms, wait_c2w_ms = (20, 2, 3) if first else (40, 6, 5)
+            tick_start = go + sent + 0.005 + (tick_ms / 1000 if later and not first else 0)
+            tick_end = tick_start + tick_ms / 1000
+            talker_sent = tick_end + send_ms / 1000
+            writers["talker"].frame(sequence_id, index, go + sent + 0.001, tick_start, tick_end, 2, talker_sent)
+            queued = talker_sent + 0.001
+            c2w_end = queued + wait_c2w_ms / 1000 + 0.004
+            writers["code2wav"].frame(sequence_id, index, queued, c2w_end - 0.004, c2w_end, 2, c2w_end + 0.001)
+            latencies.append(1000 * (c2w_end + 0.002 - go - sent))
+        result = SimpleNamespace(sequence_id=sequence_id, started_at=go, send_offsets_s=[0.0, 5.0, 10.0, 15.0],
+                                 latencies_ms=latencies, wall_s=20.0, first_audio_ms=latencies[0])
+        outcomes.append(loadgen.Outcome(loadgen.Talk(workload.PERSONA, False, 0.0, 4), result))
+    for writer in writers.values():
+        writer.flush()
+
+    row = loadgen.load_row(2, outcomes, go)
+    assert [w["start_s"] for w in row["windows"]] == [0.0, 10.0]
+    assert not any({"ticks", "trace"} & w.keys() for w in row["windows"])  # no traces read: as before
+    assert report._windows_trace_table([row]) == []
+
+    loadgen.add_traces(row, tmp_path, outcomes, go)
+    assert row["trace"]["frames_traced"] == 8 and row["ticks"]["talker"]["ticks"] == 6
+    talker = [(w["ticks"]["talker"]["ticks_per_s"], w["ticks"]["talker"]["tick_ms_p50"],
+               w["ticks"]["talker"]["frames_per_tick_mean"]) for w in row["windows"]]
+    assert talker == [(0.2, 20.0, 2.0), (0.4, 40.0, 1.0)]  # 2 ticks of 2 frames, 4 of 1, over 10 s each
+    medians = [{name: s["p50"] for name, s in w["trace"]["segments_ms"].items()} for w in row["windows"]]
+    assert [w["trace"]["frames_traced"] for w in row["windows"]] == [4, 4]
+    assert {k: medians[0][k] for k in report.WINDOW_SEGMENTS} == {
+        "wait for a talker tick": 4.0, "talker tick": 20.0, "talker send": 2.0, "wait for a code2wav tick": 3.0,
+        "code2wav send": 1.0}
+    assert {k: medians[1][k] for k in report.WINDOW_SEGMENTS} == {  # waits of 4 and 44 ms: median 24
+        "wait for a talker tick": 24.0, "talker tick": 40.0, "talker send": 6.0, "wait for a code2wav tick": 5.0,
+        "code2wav send": 1.0}
+    table = report._windows_trace_table([row])
+    assert table[0] == "### Along the run, where the time goes"
+    # latencies 37 ms in the first window; 63 and 103 ms in the second (over 80: the waiting frames)
+    assert table[-3:] == ["| 2 | 0 | 37.0 (0) | 0.2 | 20.0 | 2.0 | 4.0 | 20.0 | 2.0 | 3.0 | 1.0 |",
+                          "| 2 | 10 | 103.0 (2) | 0.4 | 40.0 | 1.0 | 24.0 | 40.0 | 6.0 | 5.0 | 1.0 |", ""]
+
+
 def test_result_json_keeps_number_lists_on_one_line_and_reads_back():
     import json
 

@@ -175,9 +175,17 @@ def test_metrics_on_the_prometheus_endpoint(faulty):
     assert rejected("not_open") >= 1
     assert samples['personaplex_persona_cache_lookups_total{model="talker",result="hit"}'] >= 1
     assert samples['personaplex_persona_cache_lookups_total{model="talker",result="miss"}'] >= 1
-    # a tick is at least some milliseconds of work; the histogram's buckets add up
-    assert samples['personaplex_tick_duration_seconds_bucket{model="talker",le="+Inf"}'] == \
-        samples['personaplex_tick_duration_seconds_count{model="talker"}']
+    # the histograms' counters add up: the +Inf bucket holds every observation, each bucket at
+    # least the one below it, and none is over 10.24 s
+    for name in ("personaplex_tick_duration_seconds", "personaplex_frame_latency_seconds"):
+        buckets = sorted((float(labels["le"]), value) for series, value in samples.items()
+                         if series.startswith(name + "_bucket{")
+                         and (labels := dict(pair.split("=") for pair in series[series.index("{") + 1:-1]
+                                                 .replace('"', "").split(",")))["model"] == "talker")
+        count = samples[f'{name}_count{{model="talker"}}']
+        assert buckets[-1] == (float("inf"), count) and buckets[-2] == (10.24, count)
+        assert all(low[1] <= high[1] for low, high in zip(buckets, buckets[1:]))
+        assert samples[f'{name}_sum{{model="talker"}}'] > 0
 
 
 def test_killed_stub_turns_the_health_check_false(faulty):

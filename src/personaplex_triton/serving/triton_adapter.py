@@ -12,7 +12,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..core.metrics import FAMILIES, SECONDS_BUCKETS, Metrics, UpdateQueue
+from ..core.metrics import FAMILIES, HISTOGRAM_SERIES, Metrics, UpdateQueue
 
 SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = 2    # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -78,19 +78,30 @@ def responder(request):
     return send, finish, sender.is_cancelled
 
 
+REPORT_INTERVAL_S = 0.5  # the reporter's pause between batches, in which updates coalesce
+
+
 class TritonMetrics(Metrics):
     """The library's metrics (metrics.py) as Triton custom metrics, labelled with the model.
-    Calls only queue their update; one thread of its own makes the round trips to tritonserver."""
+    Calls only queue their update; one thread of its own makes the round trips to tritonserver,
+    a batch every REPORT_INTERVAL_S at most (a few dozen round trips, whatever the load)."""
 
     def __init__(self, model: str):
         # pb_utils.MetricFamily exists once the stub runs a model, not when this module is imported.
         family = pb_utils.MetricFamily
-        kinds = {"gauge": family.GAUGE, "counter": family.COUNTER, "histogram": family.HISTOGRAM}
+        kinds = {"gauge": family.GAUGE, "counter": family.COUNTER}
         self.model = model
-        self._families = {name: family(name=name, description=text, kind=kinds[kind])
-                          for name, (kind, text) in FAMILIES.items()}
+        self._families = {}
+        for name, (kind, text) in FAMILIES.items():
+            if kind == "histogram":  # as its counters (metrics.py)
+                for suffix in HISTOGRAM_SERIES:
+                    self._families[name + suffix] = family(name=name + suffix, description=f"{text} ({suffix[1:]})",
+                                                           kind=family.COUNTER)
+            else:
+                self._families[name] = family(name=name, description=text, kind=kinds[kind])
         self._series: dict[tuple, object] = {}
         self._updates = UpdateQueue()
+        self._closed = threading.Event()
         self._reporter = threading.Thread(target=self._report, name=f"{model}-metrics", daemon=True)
         self._reporter.start()
         self.alive(True)
@@ -98,21 +109,20 @@ class TritonMetrics(Metrics):
     def _metric(self, key: tuple):
         name, labels = key
         if key not in self._series:
-            extra = {"buckets": list(SECONDS_BUCKETS)} if FAMILIES[name][0] == "histogram" else {}
-            self._series[key] = self._families[name].Metric(labels={"model": self.model, **dict(labels)}, **extra)
+            self._series[key] = self._families[name].Metric(labels={"model": self.model, **dict(labels)})
         return self._series[key]
 
     def _report(self) -> None:
         while (taken := self._updates.take()) is not None:
-            counts, gauges, observed = taken
+            counts, gauges = taken
             updates = [*((key, "increment", v) for key, v in counts.items()),
-                       *((key, "set", v) for key, v in gauges.items()),
-                       *((key, "observe", v) for key, v in observed)]
+                       *((key, "set", v) for key, v in gauges.items())]
             for key, how, value in updates:
                 try:  # each on its own: one that fails does not drop the rest of the batch
                     getattr(self._metric(key), how)(value)
                 except Exception as exc:  # a metric must never take serving down
                     log_info(f"{self.model}: reporting {key[0]} failed: {exc}")
+            self._closed.wait(REPORT_INTERVAL_S)
 
     def conversations(self, active: int, prefilling: int) -> None:
         self._updates.set(("personaplex_conversations_active", ()), active)
@@ -138,4 +148,5 @@ class TritonMetrics(Metrics):
 
     def close(self) -> None:
         self._updates.close()
+        self._closed.set()
         self._reporter.join(timeout=5)

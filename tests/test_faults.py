@@ -161,6 +161,9 @@ def test_vanished_client_frees_its_slot(faulty):
 
 
 def test_metrics_on_the_prometheus_endpoint(faulty):
+    # counters reach the endpoint in batches of up to half a second: the last test's not_open shows after it
+    not_open = 'personaplex_requests_rejected_total{model="talker",reason="not_open"}'
+    assert wait_for(lambda: not_open in scrape(faulty.metrics_url), 5)
     samples = scrape(faulty.metrics_url)
     for model in ("talker", "code2wav"):
         label = f'{{model="{model}"}}'

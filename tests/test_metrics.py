@@ -70,3 +70,21 @@ def test_observations_taken_in_batches_add_up_as_one():
     expected = whole.take()[0]
     assert totals.keys() == expected.keys()
     assert all(abs(totals[k] - expected[k]) < 1e-12 for k in expected)
+
+
+def test_counters_are_held_to_coalesce_but_a_gauge_is_taken_at_once():
+    import time
+
+    updates = UpdateQueue()
+    updates.increment(("frames", ()))
+    threading.Timer(0.05, updates.increment, (("frames", ()),)).start()
+    started = time.monotonic()
+    counts, gauges = updates.take(hold_s=0.3)
+    assert counts == {("frames", ()): 2} and gauges == {}  # the second came while the first was held
+    assert time.monotonic() - started >= 0.29
+    updates.increment(("frames", ()))
+    threading.Timer(0.05, updates.set, (("active", ()), 1)).start()
+    started = time.monotonic()
+    counts, gauges = updates.take(hold_s=5.0)
+    assert counts == {("frames", ()): 1} and gauges == {("active", ()): 1}
+    assert time.monotonic() - started < 2.0  # the gauge ended the hold

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 import urllib.request
 
 # name: (kind, description); docs/reliability.md's "Metrics" lists the same.
@@ -108,12 +109,17 @@ class UpdateQueue:
             self._observed.setdefault(key, []).append(value)
             self._cond.notify()
 
-    def take(self):
+    def take(self, hold_s: float = 0.0):
         """Wait for updates: (counts, gauges) of everything queued, the histograms' observations
-        among the counts, or None once closed with nothing left."""
+        among the counts, or None once closed with nothing left. Counters and observations are
+        held up to `hold_s` after the first, so that more coalesce; a gauge is taken at once
+        (the occupancy and the heartbeat are read as they change)."""
         with self._cond:
             while not (self._counts or self._gauges or self._observed or self._closed):
                 self._cond.wait()
+            until = time.monotonic() + hold_s
+            while not (self._gauges or self._closed) and (left := until - time.monotonic()) > 0:
+                self._cond.wait(left)
             if not (self._counts or self._gauges or self._observed):
                 return None
             counts, gauges, observed = self._counts, self._gauges, self._observed

@@ -78,13 +78,13 @@ def responder(request):
     return send, finish, sender.is_cancelled
 
 
-REPORT_INTERVAL_S = 0.5  # the reporter's pause between batches, in which updates coalesce
+REPORT_HOLD_S = 0.5  # counters wait this long for more to coalesce; gauges go at once
 
 
 class TritonMetrics(Metrics):
     """The library's metrics (metrics.py) as Triton custom metrics, labelled with the model.
     Calls only queue their update; one thread of its own makes the round trips to tritonserver,
-    a batch every REPORT_INTERVAL_S at most (a few dozen round trips, whatever the load)."""
+    the counters' in batches of up to REPORT_HOLD_S (a few dozen round trips, whatever the load)."""
 
     def __init__(self, model: str):
         # pb_utils.MetricFamily exists once the stub runs a model, not when this module is imported.
@@ -101,7 +101,6 @@ class TritonMetrics(Metrics):
                 self._families[name] = family(name=name, description=text, kind=kinds[kind])
         self._series: dict[tuple, object] = {}
         self._updates = UpdateQueue()
-        self._closed = threading.Event()
         self._reporter = threading.Thread(target=self._report, name=f"{model}-metrics", daemon=True)
         self._reporter.start()
         self.alive(True)
@@ -113,7 +112,7 @@ class TritonMetrics(Metrics):
         return self._series[key]
 
     def _report(self) -> None:
-        while (taken := self._updates.take()) is not None:
+        while (taken := self._updates.take(REPORT_HOLD_S)) is not None:
             counts, gauges = taken
             updates = [*((key, "increment", v) for key, v in counts.items()),
                        *((key, "set", v) for key, v in gauges.items())]
@@ -122,7 +121,6 @@ class TritonMetrics(Metrics):
                     getattr(self._metric(key), how)(value)
                 except Exception as exc:  # a metric must never take serving down
                     log_info(f"{self.model}: reporting {key[0]} failed: {exc}")
-            self._closed.wait(REPORT_INTERVAL_S)
 
     def conversations(self, active: int, prefilling: int) -> None:
         self._updates.set(("personaplex_conversations_active", ()), active)
@@ -148,5 +146,4 @@ class TritonMetrics(Metrics):
 
     def close(self) -> None:
         self._updates.close()
-        self._closed.set()
         self._reporter.join(timeout=5)

@@ -37,7 +37,7 @@ from personaplex_stream.stream import _send_frames
 
 from personaplex_triton.core import trace
 
-from . import stats, ticks, workload
+from . import gpu_telemetry, stats, ticks, workload
 from .workload import new_persona, persona_for
 
 Log = Callable[[str], None]
@@ -268,6 +268,17 @@ def add_traces(row: dict, trace_dir, served: list[Outcome], go: float, aged: int
         window["trace"] = _breakdown_of(inside, results)
 
 
+def add_gpu_telemetry(row: dict, samples: list[dict], go: float) -> None:
+    """The GPU's figures (gpu_telemetry.window_figures) over the level started at `go` and over
+    each of its windows, where nvidia-smi sampled any."""
+    if not samples:
+        return
+    row["gpu"] = gpu_telemetry.window_figures(samples, go, float("inf"))
+    for window in row["windows"]:
+        start = go + window["start_s"]
+        window["gpu"] = gpu_telemetry.window_figures(samples, start, start + WINDOW_S)
+
+
 def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go: float, count: int) -> list[dict]:
     """Per window (stats.windows' of the paced frames), {stage: the records of the frames sent in it}."""
     window_of = {}  # (conversation, frame index): window
@@ -299,15 +310,19 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
     frames are followed through the stages and each stage's ticks counted, over the level and per
-    window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level."""
+    window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level. Where
+    nvidia-smi runs, the GPU's clocks, power and temperatures are sampled along each level
+    (add_gpu_telemetry)."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
         log(f"[load] {n} conversation(s) at once, {frames} frames each, one every 80 ms"
             + (f", after {aged} frames unpaced" if aged else "")
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
-        outcomes, go = conversations(url, talks, log)
+        with gpu_telemetry.GpuTelemetry() as gpu:
+            outcomes, go = conversations(url, talks, log)
         row = load_row(n, outcomes, go, pool)
+        add_gpu_telemetry(row, gpu.samples, go)
         served = [o for o in outcomes if o.error is None]
         if trace_dir is not None and served:
             add_traces(row, trace_dir, served, go, aged)

@@ -252,6 +252,7 @@ def _load_section(result: dict) -> list[str]:
               + ("" if not aged else " (aged context)"), ""]
     lines += _windows_table(rows)
     lines += _windows_trace_table(rows)
+    lines += _windows_gpu_table(rows)
     lines += _ticks_table(rows)
     if aged and any(r.get("ticks") for r in rows):
         lines += ["Where a frame's time goes, segment by segment, is left out with an aged context: the traces "
@@ -319,6 +320,32 @@ def _windows_trace_table(rows: list[dict]) -> list[str]:
             lines.append(f"| {r['conversations']} | {w['start_s']:g} | "
                          + (f"{w['p99']} ({w['late']})" if w["frames"] else "-") + f" | {ticking} | "
                          + " | ".join(_cell(c["p50"] if c else None) for c in segments) + " |")
+    return lines + [""]
+
+
+def _windows_gpu_table(rows: list[dict]) -> list[str]:
+    """Per window along each level's run, the GPU as nvidia-smi saw it (loadgen.add_gpu_telemetry):
+    a card that slows shows here, beside the latency it causes."""
+    sampled = [r for r in rows if r.get("gpu")]
+    if not sampled:
+        return []
+    lines = ["### Along the run, the GPU", "",
+             "nvidia-smi once a second, the samples taken in the window: SM clock median (lowest), memory clock, "
+             "power, GPU and memory temperature, utilisation (medians), and the clock limit reasons seen "
+             "(nvidia-smi's `clocks_event_reasons` bits, or'd; 0x0 or 0x1, idle, is none).", "",
+             "| conv. | from (s) | p99 (over 80 ms) | SM MHz (lowest) | memory MHz | power (W) | GPU / memory (C) "
+             "| utilisation (%) | limit reasons |",
+             "|" + " ---: |" * 8 + " --- |"]
+    for r in sampled:
+        for w in r["windows"]:
+            g = w.get("gpu")
+            if not g:
+                continue
+            lines.append(f"| {r['conversations']} | {w['start_s']:g} | "
+                         + (f"{w['p99']} ({w['late']})" if w["frames"] else "-")
+                         + f" | {_cell(g['sm_mhz'])} ({_cell(g['sm_mhz_min'])}) | {_cell(g['mem_mhz'])} | "
+                         f"{_cell(g['power_w'])} | {_cell(g['gpu_c'])} / {_cell(g['memory_c'])} | "
+                         f"{_cell(g['utilization'])} | {g['reasons'] or '-'} |")
     return lines + [""]
 
 

@@ -403,3 +403,35 @@ def test_weights_read_counts_products_whole_and_not_gathered_tables(tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 500])], [weight, table])
     onnx.save(helper.make_model(graph), tmp_path / "step.onnx")
     assert weights_read_mb(tmp_path / "step.onnx") == 2.0
+
+
+def test_gpu_telemetry_is_read_from_nvidia_smi_lines_and_summed_up_per_window():
+    from bench import gpu_telemetry
+
+    fields = [*gpu_telemetry.FIELDS, "clocks_event_reasons.active"]
+    lines = ["1980, 2619, 610.5, 61, 70, 100, 0x0000000000000000",
+             "1755, 2619, 699.9, 66, [N/A], 100, 0x0000000000000004",   # power capped
+             "1410, 2619, 700.2, 83, 88, 100, 0x0000000000000020",      # thermal slowdown
+             "1980, 2619, 120.0, 40, 45, 0, 0x0000000000000001"]        # idle, after the level
+    samples = [gpu_telemetry.parse(line, fields, at) for at, line in zip((100.0, 101.0, 111.0, 125.0), lines)]
+    assert samples[1]["memory_c"] is None and samples[2]["reasons"] == 0x20 and samples[0]["sm_mhz"] == 1980.0
+
+    row = {"windows": [{"start_s": 0.0}, {"start_s": 10.0}, {"start_s": 20.0}, {"start_s": 30.0}]}
+    loadgen.add_gpu_telemetry(row, samples, go=100.0)
+    first, second, third, fourth = (w["gpu"] for w in row["windows"])
+    assert first["samples"] == 2 and first["sm_mhz"] == 1867.5 and first["sm_mhz_min"] == 1755.0
+    assert first["memory_c"] == 70.0 and first["reasons"] == "0x4"  # a sample's N/A is left out
+    assert second["reasons"] == "0x20" and second["gpu_c"] == 83.0
+    assert third["reasons"] == "0x1" and fourth is None
+    assert row["gpu"]["samples"] == 4 and row["gpu"]["reasons"] == "0x25"
+    no_gpu = {"windows": [{"start_s": 0.0}]}
+    loadgen.add_gpu_telemetry(no_gpu, [], go=100.0)  # no nvidia-smi: nothing added, no table
+    assert no_gpu == {"windows": [{"start_s": 0.0}]} and report._windows_gpu_table([no_gpu]) == []
+
+    for w, p99, late in zip(row["windows"], (50.0, 120.0, 40.0, 40.0), (0, 30, 0, 0)):
+        w.update(frames=10, p99=p99, late=late)
+    table = report._windows_gpu_table([{**row, "conversations": 64}])
+    assert table[0] == "### Along the run, the GPU"
+    assert table[-4:] == ["| 64 | 0 | 50.0 (0) | 1867.5 (1755.0) | 2619.0 | 655.2 | 63.5 / 70.0 | 100.0 | 0x4 |",
+                          "| 64 | 10 | 120.0 (30) | 1410.0 (1410.0) | 2619.0 | 700.2 | 83.0 / 88.0 | 100.0 | 0x20 |",
+                          "| 64 | 20 | 40.0 (0) | 1980.0 (1980.0) | 2619.0 | 120.0 | 40.0 / 45.0 | 0.0 | 0x1 |", ""]

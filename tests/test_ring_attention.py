@@ -45,6 +45,21 @@ def test_kernel_over_stored_ring(stored):
         torch.testing.assert_close(out[b], softmax_attention(exact), atol=0.1, rtol=0.1)
 
 
+def test_rows_that_do_not_step_read_nothing():
+    """`active`: a row left out gets zeros, however full its ring (a graphed step's padding rows
+    are other conversations' slots); the rows that step get what they get without the mask."""
+    torch.manual_seed(0)
+    B, H, C, D = 3, 2, 40, 64
+    cache = torch.randn(2, B, H, C, D)
+    q = torch.randn(B, H, 1, D)
+    lengths = torch.tensor([C, C, 9])
+    whole = ring_attention.attend(q, cache[0], cache[1], lengths, splits=2, block=16)
+    masked = ring_attention.attend(q, cache[0], cache[1], lengths, active=torch.tensor([True, False, True]),
+                                   splits=2, block=16)
+    assert torch.count_nonzero(whole[1]) > 0 and torch.count_nonzero(masked[1]) == 0
+    torch.testing.assert_close(masked[[0, 2]], whole[[0, 2]], atol=0, rtol=0)
+
+
 def stepped(lm, ring: bool, stored, steps=16, batch=3):
     """The temporal transformer's outputs over `steps` frames (a 12-entry ring: it wraps),
     row 2 idle before the wrap, and the caches at the end."""
@@ -56,8 +71,9 @@ def stepped(lm, ring: bool, stored, steps=16, batch=3):
     try:
         with lm.transformer.streaming(batch):
             for step in range(steps):
-                lm.transformer.set_exec_mask(torch.tensor([True, True, step % 2 == 0 or step > 10]))
-                outputs.append(lm.transformer(torch.randn(batch, 1, lm.dim)))
+                stepping = torch.tensor([True, True, step % 2 == 0 or step > 10])
+                lm.transformer.set_exec_mask(stepping)
+                outputs.append(lm.transformer(torch.randn(batch, 1, lm.dim))[stepping])  # an idle row's is unused
             caches = [(m._streaming_state.kv_cache.cache.clone(), m._streaming_state.kv_cache.end_offset.clone())
                       for m in kv_cache.self_attentions(lm.transformer)]
     finally:
@@ -73,8 +89,10 @@ def lm():
 
 
 def test_decode_equals_moshi_across_the_wrap(lm):
-    """fp32: each frame's output and, at the end, every cache and end_offset equal moshi's, to
-    fp32 rounding (the kernels' RoPE and sums round in another order than moshi's ops). Row 2
+    """fp32: each frame's output of the rows that step and, at the end, every cache and
+    end_offset equal moshi's, to fp32 rounding (the kernels' RoPE and sums round in another
+    order than moshi's ops; an idle row's output, which moshi computes and nothing uses, the
+    ring kernel leaves at zero attention). Row 2
     idles only before its ring wraps: past it, moshi's write of an idle row replaces an entry it
     attends to, which the ring path does not (conftest.rope_and_store_against_moshi)."""
     ring, moshi = stepped(lm, True, torch.float32), stepped(lm, False, torch.float32)

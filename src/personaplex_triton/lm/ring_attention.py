@@ -42,11 +42,11 @@ if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, acc_ptr, max_ptr, sum_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
                           num_heads, kv_repeat, num_splits, split_size, capacity, scale,
                           BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                          INDEXED: tl.constexpr):
+                          INDEXED: tl.constexpr, MASKED: tl.constexpr):
         """One (conversation, head, split): an unnormalised softmax sum over the split's filled
         entries, with its maximum and sum. The scores come from tensor cores, the query repeated
         to 16 rows (tl.dot's least), so the tiles go through shared memory, pipelined (read as
@@ -59,6 +59,8 @@ if triton is not None:
         b = row // num_heads
         kv_head = (row % num_heads) // kv_repeat
         length = tl.minimum(tl.load(len_ptr + b), capacity)  # a wrapped ring: every entry
+        if MASKED:  # a row that does not step reads nothing: its output is never used
+            length = tl.where(tl.load(mask_ptr + b) != 0, length, 0)
         start = split * split_size
         end = tl.minimum(start + split_size, length)
         dims = tl.arange(0, HEAD_DIM)
@@ -182,13 +184,15 @@ def num_splits(rows: int, capacity: int) -> int:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-           rows: torch.Tensor | None = None, splits: int | None = None, block: int = BLOCK_N,
-           warps: int = 4) -> torch.Tensor:
+           rows: torch.Tensor | None = None, active: torch.Tensor | None = None, splits: int | None = None,
+           block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, min(lengths[b], capacity)) of the
     keys and values [P, H / kv_repeat, capacity, D] of pool row `rows[b]` (None: row b) (each
     with a unit stride on D and a common layout; q's dtype or float8_e4m3fn); returns
-    [B, H, 1, D] in q's dtype. A row with no entries gets zeros. `splits`, `block`, `warps`:
-    the launch (default: `num_splits`), for the benchmark."""
+    [B, H, 1, D] in q's dtype. A row with no entries gets zeros, and so does a row that
+    `active` [B] (bool; None: all) leaves out: it reads no entries (a graphed step's batch is
+    padded to its bucket with rows that do not step, whose whole contexts it would read).
+    `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark."""
     B, H, _, D = q.shape
     capacity = keys.shape[2]
     splits = splits or num_splits(B * H, capacity)
@@ -198,12 +202,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
     acc = torch.empty((B * H, splits, D), device=q.device, dtype=torch.float32)
     maxima = torch.empty((B * H, splits), device=q.device, dtype=torch.float32)
     sums = torch.empty_like(maxima)
-    args = (q, keys, values, lengths, lengths if rows is None else rows, acc, maxima, sums,
+    args = (q, keys, values, lengths, lengths if rows is None else rows, lengths if active is None else active,
+            acc, maxima, sums,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             H, H // keys.shape[1], splits, split_size, capacity, D ** -0.5)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
     _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, INDEXED=rows is not None,
-                                   num_warps=warps)
+                                   MASKED=active is not None, num_warps=warps)
     out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
     _merge_kernel[(B * H,)](acc, maxima, sums, out, splits,
                             SPLITS=triton.next_power_of_2(splits), HEAD_DIM=D)
@@ -250,7 +255,7 @@ def _decode_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.T
     cache = state.kv_cache
     q = rope_and_store(self.in_projs[0](query), state.offset, cache, state.exec_mask, self.num_heads,
                        self.rope.max_period if self.rope is not None else None)
-    x = attend(q, cache.cache[0], cache.cache[1], cache.end_offset, getattr(cache, "rows", None))
+    x = attend(q, cache.cache[0], cache.cache[1], cache.end_offset, getattr(cache, "rows", None), state.exec_mask)
     state.offset_cpu += 1
     return self.out_projs[0](rearrange(x, "b h t d -> b t (h d)"))
 

@@ -1,7 +1,8 @@
 """One decode step's attention of one 7B layer on a GPU: moshi's (SDPA over the whole ring with
 a mask), SDPA over the whole ring without one (flash, what a full ring costs at best), and
 ring_attention.attend (reads only the filled entries), at several batches and context fills,
-the launch variants of `attend`, and `attend` over the ring stored in fp8 (kv_cache.py).
+the launch variants of `attend`, and `attend` over the ring stored in fp8 (kv_cache.py), with
+launch variants of its own (FP8_VARIANTS).
 
     python bench/ring_attention.py --out bench/results
 
@@ -21,6 +22,11 @@ import torch.nn.functional as F
 from personaplex_triton.lm import kv_cache, ring_attention
 
 HEADS, HEAD_DIM, CAPACITY = 32, 128, 3000  # the 7B's temporal transformer
+# The fp8 ring reads half the bytes of the bf16 one at about the same time per entry (docs/gpu-serving.md):
+# more programs in flight, or longer loads per iteration, are the launches to try there.
+FP8_VARIANTS = {"attend, fp8 ring": {}, "fp8, 2 splits": {"splits": 2}, "fp8, 4 splits": {"splits": 4},
+                "fp8, block 128, 8 warps": {"block": 128, "warps": 8},
+                "fp8, 4 splits, block 128, 8 warps": {"splits": 4, "block": 128, "warps": 8}}
 
 
 def timed_us(fn, steps=50):
@@ -59,7 +65,8 @@ def main():
                    "sdpa_full_ring_us": timed_us(lambda: F.scaled_dot_product_attention(q, cache[0], cache[1]))}
             for name, launch in variants.items():
                 row[name] = timed_us(lambda: ring_attention.attend(q, cache[0], cache[1], lengths, **launch))
-            row["attend, fp8 ring"] = timed_us(lambda: ring_attention.attend(q, fp8[0], fp8[1], lengths))
+            for name, launch in FP8_VARIANTS.items():
+                row[name] = timed_us(lambda: ring_attention.attend(q, fp8[0], fp8[1], lengths, **launch))
             row["attend_gb_s"] = round(row["kv_read_mb"] / row["attend"] * 1e3)  # MB per µs = 1000 GB/s
             rows.append(row)
             print(row, flush=True)

@@ -299,6 +299,12 @@ def _windows_table(rows: list[dict]) -> list[str]:
 WINDOW_SEGMENTS = ("wait for a talker tick", "talker tick", "talker send", "wait for a code2wav tick", "code2wav send")
 
 
+def _window_start(row: dict, window: dict) -> str:
+    """The first cells of a window's line: the level's conversations, the window's start, its p99 (late frames)."""
+    latency = f"{window['p99']} ({window['late']})" if window["frames"] else "-"
+    return f"| {row['conversations']} | {window['start_s']:g} | {latency}"
+
+
 def _windows_trace_table(rows: list[dict]) -> list[str]:
     """Per window along each traced level's run, the talker's ticks and the segments' medians
     (loadgen.add_traces), beside its p99: what changed when latency did shows across a row."""
@@ -317,8 +323,7 @@ def _windows_trace_table(rows: list[dict]) -> list[str]:
             t = w["ticks"]["talker"]
             ticking = f"{t['ticks_per_s']} | {t['tick_ms_p50']} | {t['frames_per_tick_mean']}" if t else "- | - | -"
             segments = [w["trace"]["segments_ms"][name] for name in WINDOW_SEGMENTS]
-            lines.append(f"| {r['conversations']} | {w['start_s']:g} | "
-                         + (f"{w['p99']} ({w['late']})" if w["frames"] else "-") + f" | {ticking} | "
+            lines.append(f"{_window_start(r, w)} | {ticking} | "
                          + " | ".join(_cell(c["p50"] if c else None) for c in segments) + " |")
     return lines + [""]
 
@@ -341,10 +346,8 @@ def _windows_gpu_table(rows: list[dict]) -> list[str]:
             g = w.get("gpu")
             if not g:
                 continue
-            lines.append(f"| {r['conversations']} | {w['start_s']:g} | "
-                         + (f"{w['p99']} ({w['late']})" if w["frames"] else "-")
-                         + f" | {_cell(g['sm_mhz'])} ({_cell(g['sm_mhz_min'])}) | {_cell(g['mem_mhz'])} | "
-                         f"{_cell(g['power_w'])} | {_cell(g['gpu_c'])} / {_cell(g['memory_c'])} | "
+            lines.append(f"{_window_start(r, w)} | {_cell(g['sm_mhz'])} ({_cell(g['sm_mhz_min'])}) | "
+                         f"{_cell(g['mem_mhz'])} | {_cell(g['power_w'])} | {_cell(g['gpu_c'])} / {_cell(g['memory_c'])} | "
                          f"{_cell(g['utilization'])} | {g['reasons'] or '-'} |")
     return lines + [""]
 

@@ -120,3 +120,27 @@ def test_a_tick_out_of_gpu_memory_refuses_newcomers_for_a_while():
     assert scheduler.admission_error(5).startswith("at capacity: a tick ran out of GPU memory")
     clock.now += MEMORY_FULL_S + 1
     assert scheduler.admission_error(5) is None
+
+
+def test_a_minimum_interval_spaces_ticks_out_unless_every_conversation_waits():
+    clock = Clock()
+    table = table_with(3)
+    scheduler = Scheduler(table, min_tick_interval_s=0.03, clock=clock)
+    queue(table, 0, clock)
+    assert sorted(scheduler.schedule().items) == [0]  # the first tick: nothing to space from
+    clock.now += 0.01
+    queue(table, 1, clock)
+    assert scheduler.due_in() == pytest.approx(0.02) and scheduler.schedule() is None  # gathering
+    clock.now += 0.015
+    queue(table, 2, clock)
+    assert scheduler.due_in() == pytest.approx(0.005)
+    clock.now += 0.005
+    assert sorted(scheduler.schedule().items) == [1, 2]  # 30 ms after the last tick's start
+    clock.now += 0.001
+    for key in range(3):  # every live conversation has a frame: nothing more can gather
+        queue(table, key, clock)
+    assert scheduler.due_in() == 0 and sorted(scheduler.schedule().items) == [0, 1, 2]
+    clock.now += 0.001
+    queue(table, 0, clock)
+    assert scheduler.due_in() == pytest.approx(0.029)
+    assert Scheduler(table, clock=clock).due_in() == 0  # off by default: at once

@@ -13,6 +13,12 @@ until the oldest waiting item's group has all arrived, at most `gather_max_s` (a
 group may never come: its conversation ended). One talker tick then makes one decoder tick,
 not a few fragments that each take the GPU from the talker.
 
+`min_tick_interval_s` spaces ticks out: one starts no sooner than that after the last one
+started, unless every live conversation already has a frame waiting (nothing more would
+gather). Fewer, larger ticks read the weights fewer times: less GPU work for the same frames,
+at the cost of a frame waiting longer for its tick. Off by default (the greedy ticks above);
+a model parameter (`min_tick_interval_ms`), to measure against them.
+
 `record()` takes each tick's frames and duration (the ticker's, which the metrics count too:
 frames per tick, ticks per second and the busy fraction are theirs) into a linear tick-cost
 model (`TickModel`), from which `admission_error` refuses a newcomer that would make the live
@@ -83,18 +89,22 @@ class TickModel:
 
 class Scheduler:
     def __init__(self, table: ConversationTable, gather: Callable[[Any], tuple[int, int] | None] | None = None,
-                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, clock=time.time):
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
+                 clock=time.time):
         """`gather`, `gather_max_s`: how a tick gathers frames (the module docstring; None: it
         starts as soon as one waits). `admission_tick_s`: a new conversation is refused
         when the tick model says the live ones and it would settle at ticks longer than this
         (a frame waits up to one tick and is answered at the end of the next: about two
-        ticks); 0: no admission by time. `clock`: the wall clock, which the queue's items are
-        stamped with (for the frame trace)."""
+        ticks); 0: no admission by time. `min_tick_interval_s`: the least time from one tick's
+        start to the next's (the module docstring; 0: none). `clock`: the wall clock, which the
+        queue's items are stamped with (for the frame trace)."""
         self._table = table
         self.gather = gather
         self.gather_max_s = gather_max_s
         self.admission_tick_s = admission_tick_s
+        self.min_tick_interval_s = min_tick_interval_s
         self._clock = clock
+        self._last_tick_at: float | None = None
         self.model = TickModel()
         self._memory_full_at: float | None = None
 
@@ -102,9 +112,14 @@ class Scheduler:
     def due_in(self) -> float | None:
         """Seconds until the next tick is due: 0 now, None while no frame waits."""
         now = self._clock()
-        queues = [conv.queue for conv in self._table.live() if conv.queue]
+        live = self._table.live()
+        queues = [conv.queue for conv in live if conv.queue]
         if not queues:
             return None
+        if self.min_tick_interval_s > 0 and self._last_tick_at is not None and len(queues) < len(live):
+            spaced = self._last_tick_at + self.min_tick_interval_s - now
+            if spaced > 0:
+                return spaced
         if self.gather is None:
             return 0.0
         _, item, queued = min((queue[0] for queue in queues), key=lambda entry: entry[2])
@@ -120,6 +135,7 @@ class Scheduler:
         due = self.due_in()
         if due is None or due > 0:
             return None
+        self._last_tick_at = self._clock()
         return TickPlan({c.slot: (c, *c.queue.popleft()) for c in self._table.live() if c.queue})
 
     # -- what ticks cost ----------------------------------------------------------------------

@@ -71,6 +71,9 @@ PARAMETERS = {
         Parameter("warm_personas", "all", 'Personas prefilled at load (into the cache): "all" voices of the '
                                           'checkpoint, or names ("NATF0,NATM0"), each with an empty role '
                                           'prompt; "" none.'),
+        Parameter("min_tick_interval_ms", "0", "The least time from one tick's start to the next's: fewer, larger "
+                                               "ticks (less GPU work for the same frames, frames wait longer for "
+                                               "theirs); 0: a tick starts as soon as a frame waits."),
     ),
     "code2wav": (
         Parameter("max_conversations", "auto", "More than the talker's: a conversation that ends without FINAL "

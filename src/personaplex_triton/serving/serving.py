@@ -169,7 +169,7 @@ class TalkerService:
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
                  warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
-                 metrics: Metrics | None = None):
+                 min_tick_interval_ms: float = 0.0, metrics: Metrics | None = None):
         import torch
 
         from ..lm import kv_cache
@@ -192,7 +192,8 @@ class TalkerService:
         self.talker.persona_cache.on_lookup = self.metrics.persona_cache_lookup  # after warming: clients' only
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
-                                 admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0)
+                                 admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
+                                 min_tick_interval_s=min_tick_interval_ms / 1000)
 
     def warm(self, voices: str) -> list[str]:
         """Prefill personas into the persona cache before serving, so their first conversation

@@ -74,17 +74,21 @@ class TickModel:
         per_frame = max(sum((k - mean_k) * (t - mean_t) for k, t in self._ticks) / spread, 0.0)
         return max(mean_t - per_frame * mean_k, 0.0), per_frame
 
-    def steady_tick_s(self, conversations: int) -> float | None:
+    def steady_tick_s(self, conversations: int, interval_s: float = 0.0) -> float | None:
         """The tick length at which `conversations` paced conversations settle, ticking back to
         back (each tick carries the frames that came during the last: k = n * T / FRAME_S, so
-        T = fixed / (1 - n * per_frame / FRAME_S)); inf where they cannot keep up, None while
-        nothing is measured."""
+        T = fixed / (1 - n * per_frame / FRAME_S)), or, where that is shorter than `interval_s`
+        (the scheduler's least time between tick starts), ticking every `interval_s` (k = n *
+        interval_s / FRAME_S); inf where they cannot keep up, None while nothing is measured."""
         fitted = self.fit()
         if fitted is None:
             return None
         fixed, per_frame = fitted
         load = conversations * per_frame / FRAME_S
-        return float("inf") if load >= 1 else fixed / (1 - load)
+        if load >= 1:
+            return float("inf")
+        back_to_back = fixed / (1 - load)
+        return back_to_back if back_to_back >= interval_s else fixed + load * interval_s
 
 
 class Scheduler:
@@ -155,9 +159,13 @@ class Scheduler:
                     f"with {live} live conversations")
         if self.admission_tick_s <= 0:
             return None
-        tick = self.model.steady_tick_s(live + 1)
-        if tick is None or tick <= self.admission_tick_s:
+        tick = self.model.steady_tick_s(live + 1, self.min_tick_interval_s)
+        # A frame waits up to one tick's cycle (the tick, or the interval where that is longer)
+        # and is answered at the end of its own tick: held to two of admission_tick_s's ticks.
+        if tick is None or (max(tick, self.min_tick_interval_s) + tick) / 2 <= self.admission_tick_s:
             return None
-        settles = "cannot keep up" if tick == float("inf") else f"would settle at {tick * 1e3:.0f} ms ticks"
+        settles = "cannot keep up" if tick == float("inf") else (
+            f"would settle at {tick * 1e3:.0f} ms ticks" + (f" every {self.min_tick_interval_s * 1e3:.0f} ms"
+                                                          if tick < self.min_tick_interval_s else ""))
         return (f"at capacity: {live} live conversations and one more {settles} "
                 f"(the limit is {self.admission_tick_s * 1e3:.0f} ms, to answer every frame in real time)")

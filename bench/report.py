@@ -313,15 +313,17 @@ def _windows_trace_table(rows: list[dict]) -> list[str]:
         return []
     lines = ["### Along the run, where the time goes", "",
              "The same windows, from the stages' frame traces: the talker's ticks that started in the window (ticks "
-             "per second, tick p50 ms, frames a tick, mean), and the median ms of segments of the trip of the "
-             "frames sent in it (as in \"Where a frame's time goes\").", "",
+             "per second, tick p50 ms, frames a tick, mean, and busy: the ticks' time over the window's; what is "
+             "left is the host's time between ticks, or no frame waiting), and the median ms of segments of the "
+             "trip of the frames sent in it (as in \"Where a frame's time goes\").", "",
              "| conv. | from (s) | p99 (over 80 ms) | talker ticks/s | talker tick p50 (ms) | frames a tick | "
-             + " | ".join(WINDOW_SEGMENTS) + " |",
-             "|" + " ---: |" * (6 + len(WINDOW_SEGMENTS))]
+             "talker busy | " + " | ".join(WINDOW_SEGMENTS) + " |",
+             "|" + " ---: |" * (7 + len(WINDOW_SEGMENTS))]
     for r in traced:
         for w in r["windows"]:
             t = w["ticks"]["talker"]
-            ticking = f"{t['ticks_per_s']} | {t['tick_ms_p50']} | {t['frames_per_tick_mean']}" if t else "- | - | -"
+            ticking = (f"{t['ticks_per_s']} | {t['tick_ms_p50']} | {t['frames_per_tick_mean']} | {t['busy_fraction']}"
+                       if t else "- | - | - | -")
             segments = [w["trace"]["segments_ms"][name] for name in WINDOW_SEGMENTS]
             lines.append(f"{_window_start(r, w)} | {ticking} | "
                          + " | ".join(_cell(c["p50"] if c else None) for c in segments) + " |")

@@ -208,8 +208,9 @@ def test_windows_gain_the_ticks_and_segments_of_their_own_stretch_from_the_trace
     table = report._windows_trace_table([row])
     assert table[0] == "### Along the run, where the time goes"
     # latencies 37 ms in the first window; 63 and 103 ms in the second (over 80: the waiting frames)
-    assert table[-3:] == ["| 2 | 0 | 37.0 (0) | 0.2 | 20.0 | 2.0 | 4.0 | 20.0 | 2.0 | 3.0 | 1.0 |",
-                          "| 2 | 10 | 103.0 (2) | 0.4 | 40.0 | 1.0 | 24.0 | 40.0 | 6.0 | 5.0 | 1.0 |", ""]
+    # busy: 2 ticks of 20 ms, then 4 of 40 ms, over 10 s each
+    assert table[-3:] == ["| 2 | 0 | 37.0 (0) | 0.2 | 20.0 | 2.0 | 0.004 | 4.0 | 20.0 | 2.0 | 3.0 | 1.0 |",
+                          "| 2 | 10 | 103.0 (2) | 0.4 | 40.0 | 1.0 | 0.016 | 24.0 | 40.0 | 6.0 | 5.0 | 1.0 |", ""]
 
 
 def test_result_json_keeps_number_lists_on_one_line_and_reads_back():

@@ -21,11 +21,8 @@ the other N - 1 reach the full length, and each newcomer's prefill runs beside t
 from __future__ import annotations
 
 import dataclasses
-import json
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from personaplex_stream import Persona, new_sequence_id, stream_conversation
@@ -258,14 +255,14 @@ def add_traces(row: dict, trace_dir, served: list[Outcome], go: float, aged: int
     changed when latency did shows."""
     results = [o.result for o in served]
     end = max(r.started_at + r.wall_s for r in results)  # the last answer
+    records = trace.read_answered(trace_dir, results)
     if not aged:
-        row["trace"] = trace.breakdown(trace_dir, results)  # it waits for the stages' last lines: read after it
-    records = ticks.read(trace_dir)
+        row["trace"] = trace.breakdown(records, results)
     row["ticks"] = ticks.stage_ticks(records, go, end)
     for window, inside in zip(row["windows"], _records_by_window(records, served, go, len(row["windows"]))):
         start = go + window["start_s"]
         window["ticks"] = ticks.stage_ticks(records, start, min(start + WINDOW_S, end))
-        window["trace"] = _breakdown_of(inside, results)
+        window["trace"] = trace.breakdown(inside, results)
 
 
 def add_gpu_telemetry(row: dict, samples: list[dict], go: float) -> None:
@@ -292,16 +289,6 @@ def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go
             if w is not None:
                 found[w][stage].append(record)
     return found
-
-
-def _breakdown_of(records: dict[str, list[dict]], results: list) -> dict:
-    """trace.breakdown of these records alone: it reads a trace directory, so they go to one of
-    their own, and a window's figures come from the code of the level's (frames without a record
-    there are left out)."""
-    with tempfile.TemporaryDirectory(prefix="window-trace-") as directory:
-        for stage, stage_records in records.items():
-            Path(directory, f"{stage}-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stage_records))
-        return trace.breakdown(directory, results, wait_s=0)
 
 
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,

@@ -5,13 +5,9 @@ without carrying more: these say which."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from personaplex_triton.core import trace
-
-STAGES = ("talker", "code2wav")
 
 
 def tick_figures(records: list[dict], start: float, end: float) -> dict | None:
@@ -37,11 +33,6 @@ def tick_figures(records: list[dict], start: float, end: float) -> dict | None:
             "busy_fraction": round(float(seconds.sum()) / wall, 3)}
 
 
-def read(trace_dir: str | os.PathLike) -> dict[str, list[dict]]:
-    """{stage: its frame records under `trace_dir`} for both stages: read once for many stretches."""
-    return {stage: trace.read(trace_dir, stage) for stage in STAGES}
-
-
 def stage_ticks(records: dict[str, list[dict]], start: float, end: float) -> dict:
-    """{stage: tick_figures of its `records` (read)} for both stages (None where none ticked)."""
-    return {stage: tick_figures(records[stage], start, end) for stage in STAGES}
+    """{stage: tick_figures of its `records` (trace.read_answered)} for both stages (None where none ticked)."""
+    return {stage: tick_figures(records[stage], start, end) for stage in trace.STAGES}

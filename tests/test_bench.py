@@ -166,7 +166,7 @@ def test_windows_gain_the_ticks_and_segments_of_their_own_stretch_from_the_trace
     from personaplex_triton.core import trace
 
     go = 1000.0
-    writers = {stage: trace.FrameTrace(stage, tmp_path) for stage in ticks.STAGES}
+    writers = {stage: trace.FrameTrace(stage, tmp_path) for stage in trace.STAGES}
     outcomes = []
     for sequence_id in (7, 8):
         latencies = []

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 TRACE_DIR_ENV = "PERSONAPLEX_TRACE_DIR"
+STAGES = ("talker", "code2wav")  # the stages that trace, in a frame's order
 
 
 class FrameTrace:
@@ -67,29 +68,35 @@ SEGMENTS = (  # (name, from, to): consecutive moments of a frame's trip, client 
 )
 
 
-def breakdown(directory: str | os.PathLike, results: list, wait_s: float = 3.0) -> dict:
-    """Where the frames of `results` (the client's ConversationResults) spent their time:
-    per segment of the trip, the median and p99 in ms; and each stage's tick (median, p99 ms,
-    and median rows stepped) over the ticks that took these frames. A stage writes a frame's
-    line just after its answer leaves, so the last lines may lag the client: read again for up
-    to `wait_s` until every frame is there."""
-    import numpy as np
-
+def read_answered(directory: str | os.PathLike, results: list, wait_s: float = 3.0) -> dict[str, list[dict]]:
+    """{stage: its frame records under `directory`} for both stages, once every frame of
+    `results` (the client's ConversationResults) is there: a stage writes a frame's line just
+    after its answer leaves, so the last lines may lag the client; read again for up to `wait_s`."""
     wanted = {(r.sequence_id, i) for r in results for i in range(len(r.latencies_ms))}
     deadline = time.monotonic() + wait_s
     while True:
-        stages = {stage: {(r["conversation"], r["index"]): r for r in read(directory, stage)}
-                  for stage in ("talker", "code2wav")}
-        if all(wanted <= found.keys() for found in stages.values()) or time.monotonic() > deadline:
-            break
+        records = {stage: read(directory, stage) for stage in STAGES}
+        if all(wanted <= {(r["conversation"], r["index"]) for r in found} for found in records.values()) \
+                or time.monotonic() > deadline:
+            return records
         time.sleep(0.1)
-    trips, ticks = [], {"talker": {}, "code2wav": {}}
+
+
+def breakdown(records: dict[str, list[dict]], results: list) -> dict:
+    """Where the frames of `results` (the client's ConversationResults) spent their time, from
+    the stages' frame `records` ({stage: records}, read_answered): per segment of the trip, the
+    median and p99 in ms; and each stage's tick (median, p99 ms, and median rows stepped) over
+    the ticks that took these frames. Frames without a record in both stages are left out."""
+    import numpy as np
+
+    stages = {stage: {(r["conversation"], r["index"]): r for r in found} for stage, found in records.items()}
+    trips, ticks = [], {stage: {} for stage in stages}
     for result in results:
         for i, offset in enumerate(result.send_offsets_s[:len(result.latencies_ms)]):
             sent = result.started_at + offset
             moments = {"client_sent": sent, "client_received": sent + result.latencies_ms[i] / 1000}
-            for stage, records in stages.items():
-                record = records.get((result.sequence_id, i))
+            for stage, keyed in stages.items():
+                record = keyed.get((result.sequence_id, i))
                 if record is None:
                     break
                 ticks[stage][record["tick_start"]] = (record["tick_end"] - record["tick_start"], record["rows"])

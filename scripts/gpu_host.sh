@@ -211,7 +211,7 @@ case "${1:-}" in
     bench) shift; bench "$@" ;;
     bench-long) shift; bench_long "$@" ;;
     engine) engine "${2:-}" ;;
-    traces) mkdir -p "${2:?traces needs a folder}"; tar -C "$(dirname "$TRACE_DIR")" -cf - trace | xz -T0 -6 > "$2/trace.tar.xz" ;;
+    traces) mkdir -p "${2:?traces needs a folder}"; tar -C "$(dirname "$TRACE_DIR")" -cf - "$(basename "$TRACE_DIR")" | xz -T0 -6 > "$2/trace.tar.xz" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
     *) sed -n '2,32p' "$0"; exit 2 ;;

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs OpenAI Triton with TRITON_INTERPRET=1 (its interpreter runs the kernels on the CPU)")
 
 FP8 = torch.float8_e4m3fn
+FP8_LARGEST = 448.0  # e4m3's largest finite value
 
 
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, FP8])
@@ -59,6 +60,49 @@ def test_rows_that_do_not_step_read_nothing():
     assert torch.count_nonzero(whole[1]) > 0 and torch.count_nonzero(masked[1]) == 0
     torch.testing.assert_close(masked[[0, 2]], whole[[0, 2]], atol=0, rtol=0)
 
+
+
+@pytest.mark.parametrize("query", [torch.float32, torch.bfloat16])
+def test_fp16_dot_over_fp8_ring(query):
+    """`dot_dtype=float16` over an fp8 ring: the entries go to the tensor cores exactly (fp16
+    holds every e4m3 value), the query and the softmax weights rounded to fp16, so the result is
+    the attention of the fp16-rounded query within fp16's rounding of the weights, and at least
+    as close to the fp32 attention as the default (query-dtype) dot. A query beyond fp16's range
+    is clamped to it, never turned into inf or NaN."""
+    torch.manual_seed(0)
+    B, H, C, D = 2, 2, 40, 64
+    cache = kv_cache.store(torch.randn(2, B, H, C, D), FP8)
+    q = torch.randn(B, H, 1, D).to(query)
+    lengths = torch.tensor([17, C])
+    fp16 = ring_attention.attend(q, cache[0], cache[1], lengths, splits=2, block=16, dot_dtype=torch.float16)
+    default = ring_attention.attend(q, cache[0], cache[1], lengths, splits=2, block=16)
+    assert fp16.dtype == query
+    for b in range(B):
+        n = int(lengths[b])
+        keys, values = cache[0, b, :, :n].float(), cache[1, b, :, :n].float()
+
+        def attention(queries):
+            return torch.softmax(queries @ keys.transpose(-1, -2) / D ** 0.5, dim=-1) @ values
+        torch.testing.assert_close(fp16[b].float(), attention(q[b].half().float()), atol=4e-3, rtol=4e-3)
+        exact = attention(q[b].float())
+        assert (fp16[b].float() - exact).abs().max() <= (default[b].float() - exact).abs().max() + 1e-3
+    # Two entries whose scores differ only by the query's fp16 rounding (1 + 2**-11 is 1 in fp16):
+    # the default dot tells them apart, the fp16 one weighs them equally (values +1 and -1).
+    kv = torch.zeros(2, 1, 1, 2, D)  # (keys, values), one row, one head, two entries
+    kv[0, 0, 0, 0, 0] = kv[0, 0, 0, 1, 1] = FP8_LARGEST
+    kv[1, 0, 0, 0, 0], kv[1, 0, 0, 1, 0] = 1.0, -1.0
+    ring = kv_cache.store(kv, FP8)
+    tied = torch.zeros(1, 1, 1, D, dtype=torch.float32)
+    tied[0, 0, 0, :2] = torch.tensor([1 + 2.0 ** -11, 1.0])
+    apart = ring_attention.attend(tied, ring[0], ring[1], torch.tensor([2]), block=16)
+    even = ring_attention.attend(tied, ring[0], ring[1], torch.tensor([2]), block=16, dot_dtype=torch.float16)
+    assert float(apart[0, 0, 0, 0]) > 0.01 and float(even[0, 0, 0, 0]) == 0.0
+    huge = q.clone()
+    huge[0, 0, 0, 0] = 1e6 if query == torch.float32 else 2.0 ** 100
+    out = ring_attention.attend(huge, cache[0], cache[1], lengths, splits=2, block=16, dot_dtype=torch.float16)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="dot_dtype"):
+        ring_attention.attend(q, cache[0], cache[1], lengths, dot_dtype=torch.float64)
 
 def stepped(lm, ring: bool, stored, steps=16, batch=3):
     """The temporal transformer's outputs over `steps` frames (a 12-entry ring: it wraps),

@@ -40,13 +40,14 @@ BLOCK_N = 64            # entries per load
 
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
+    _FP16_MAX = tl.constexpr(65504.0)
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, slot_ptr, mask_ptr, acc_ptr, max_ptr, sum_ptr,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
                           num_heads, kv_repeat, num_splits, split_size, capacity, scale,
                           BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                          INDEXED: tl.constexpr, MASKED: tl.constexpr):
+                          INDEXED: tl.constexpr, MASKED: tl.constexpr, FP16_DOT: tl.constexpr):
         """One (conversation, head, split): an unnormalised softmax sum over the split's filled
         entries, with its maximum and sum. The scores come from tensor cores, the query repeated
         to 16 rows (tl.dot's least), so the tiles go through shared memory, pipelined (read as
@@ -66,6 +67,8 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         first_copy = tl.arange(0, 16) == 0
         q = tl.load(q_ptr + b * stride_qb + (row % num_heads) * stride_qh + dims)
+        if FP16_DOT:  # the entries, the query and the weights meet in fp16 (`attend`'s dot_dtype)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -_FP16_MAX), _FP16_MAX).to(tl.float16)
         q = tl.broadcast_to(q[None, :], (16, HEAD_DIM))
         slot = tl.load(slot_ptr + b) if INDEXED else b  # the row's ring in the pool (the slot table)
         base = slot * stride_kb + kv_head * stride_kh
@@ -185,14 +188,18 @@ def num_splits(rows: int, capacity: int) -> int:
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
            rows: torch.Tensor | None = None, active: torch.Tensor | None = None, splits: int | None = None,
-           block: int = BLOCK_N, warps: int = 4) -> torch.Tensor:
+           block: int = BLOCK_N, warps: int = 4, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, min(lengths[b], capacity)) of the
     keys and values [P, H / kv_repeat, capacity, D] of pool row `rows[b]` (None: row b) (each
     with a unit stride on D and a common layout; q's dtype or float8_e4m3fn); returns
     [B, H, 1, D] in q's dtype. A row with no entries gets zeros, and so does a row that
     `active` [B] (bool; None: all) leaves out: it reads no entries (a graphed step's batch is
     padded to its bucket with rows that do not step, whose whole contexts it would read).
-    `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark."""
+    `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark.
+    `dot_dtype`: what the tensor cores multiply, q's dtype (None) or torch.float16 (the query
+    clamped to fp16's range): for an fp8 ring on Hopper, e4m3 to fp16 is one packed conversion
+    per two entries and e4m3 to bf16 three (Triton's lowering), and fp16 holds every e4m3 value
+    and every bf16 query of fp16's range exactly."""
     B, H, _, D = q.shape
     capacity = keys.shape[2]
     splits = splits or num_splits(B * H, capacity)
@@ -206,9 +213,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
             acc, maxima, sums,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             H, H // keys.shape[1], splits, split_size, capacity, D ** -0.5)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
+    if dot_dtype not in (None, q.dtype, torch.float16):
+        raise ValueError(f"dot_dtype is the query's dtype or torch.float16, got {dot_dtype}")
+    fp16_dot = dot_dtype == torch.float16 and q.dtype != torch.float16
+    precision = "ieee" if q.dtype == torch.float32 and not fp16_dot else "tf32"  # fp32 models: no TF32 rounding
     _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, INDEXED=rows is not None,
-                                   MASKED=active is not None, num_warps=warps)
+                                   MASKED=active is not None, FP16_DOT=fp16_dot, num_warps=warps)
     out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
     _merge_kernel[(B * H,)](acc, maxima, sums, out, splits,
                             SPLITS=triton.next_power_of_2(splits), HEAD_DIM=D)

@@ -45,24 +45,30 @@ def free_port() -> int:
 
 
 @contextmanager
-def gateway_process(triton_url: str, *flags: str, scheme: str = "http", trust: ssl.SSLContext | None = None):
+def gateway_process(triton_url: str, *flags: str, scheme: str = "http", trust: ssl.SSLContext | None = None,
+                    log_path: Path | None = None):
     """`python -m personaplex_gateway` on a free port until the block ends; yields its base URL.
-    `flags` name its voices: the served checkpoint (`checkpoint_flag`) or --voices."""
+    `flags` name its voices: the served checkpoint (`checkpoint_flag`) or --voices. Its output
+    goes to `log_path` where given."""
     port = free_port()
+    output = open(log_path, "wb") if log_path else subprocess.PIPE
     process = subprocess.Popen([sys.executable, "-m", "personaplex_gateway", "--triton-url", triton_url,
                                 "--port", str(port), *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               stdout=output, stderr=subprocess.STDOUT)
     url = f"{scheme}://127.0.0.1:{port}"
     try:
         try:
             wait_answering(url, process, 30, context=trust)
         except (RuntimeError, TimeoutError) as exc:
             process.kill()
-            raise RuntimeError(f"{exc}: {process.stdout.read().decode(errors='replace')}") from None
+            said = log_path.read_bytes() if log_path else process.stdout.read()
+            raise RuntimeError(f"{exc}: {said.decode(errors='replace')}") from None
         yield url
     finally:
         process.terminate()
         process.wait(timeout=15)
+        if log_path:
+            output.close()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +98,8 @@ def ws_url(base: str, path: str) -> str:
 
 
 def talker_active(server) -> float:
-    return scrape(server.metrics_url)['personaplex_conversations_active{model="talker"}']
+    """The talker's live conversations (0 before the gauge's first report)."""
+    return scrape(server.metrics_url).get('personaplex_conversations_active{model="talker"}', 0.0)
 
 
 def get_json(url: str):
@@ -219,6 +226,50 @@ def test_realtime_audio_faster_than_real_time_is_refused(gateway):
 
     error, code, reason = asyncio.run(run())
     assert error["error"]["code"] == "audio_too_fast" and code == 1008 and "faster than real time" in reason
+
+
+def test_a_client_that_reads_nothing_is_ended_and_its_slot_freed(server, checkpoint_flag, tmp_path):
+    """A client that talks in real time but never reads its socket: the agent's answers fill
+    its buffers, then would pile up in the gateway for as long as it talks. Past
+    --unsent-max-s of them the gateway ends the conversation (client_too_slow), drops a socket
+    that reads not even the close, and frees the conversation's Triton slot."""
+    log = tmp_path / "gateway.log"
+
+    def small_receive_buffer(addr_info):  # set before connecting: the kernel holds 4 KB, not megabytes
+        family, kind, proto, *_ = addr_info
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        return sock
+
+    with gateway_process(server.grpc_url, *checkpoint_flag, "--unsent-max-s", "0.5", log_path=log) as base:
+        async def run():
+            connector = aiohttp.TCPConnector(socket_factory=small_receive_buffer)
+            async with aiohttp.ClientSession(connector=connector) as http, \
+                    http.ws_connect(ws_url(base, "/v1/realtime")) as ws:
+                await realtime_events_until(ws, lambda e: e["type"] == "session.created")
+                await ws.send_str(json.dumps({"type": "session.update", "session": {"voice": "NATF0"}}))
+                await realtime_events_until(ws, lambda e: e["type"] == "session.updated")
+                chunk = pcm16_b64(np.zeros(CHUNK, np.float32))
+                start = time.perf_counter()
+                for i in range(int(30 * contract.SAMPLE_RATE / CHUNK)):  # up to 30 s of talk, no reading
+                    if b"client_too_slow" in log.read_bytes():
+                        return time.perf_counter() - start
+                    await asyncio.sleep(max(0.0, start + i * CHUNK / contract.SAMPLE_RATE - time.perf_counter()))
+                    try:
+                        await ws.send_str(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+                    except ConnectionError:
+                        break
+                return None
+
+        talked_s = asyncio.run(run())
+        assert talked_s is not None, f"never ended: {log.read_text()[-2000:]}"
+        assert "refused (client_too_slow): the client has left" in log.read_text()
+        deadline = time.monotonic() + 30  # the error's and the close's waits, then the end of the sequence
+        while time.monotonic() < deadline and (get_json(base + "/stats")[1]["conversations_open"]
+                                               or talker_active(server)):
+            time.sleep(0.5)
+        assert get_json(base + "/stats")[1]["conversations_open"] == 0
+        assert talker_active(server) == 0  # this module's conversations are each over when their test ends
 
 
 # -- /api/chat -------------------------------------------------------------------------------

@@ -85,6 +85,8 @@ def test_connection_gate_refuses_past_capacity_and_frees_on_leave():
 def test_limits_name_a_bad_setting_and_an_oversize_message():
     with pytest.raises(ValueError, match="max_connections"):
         Limits(max_connections=0)
+    with pytest.raises(ValueError, match="unsent_max_s must be > 0, got 0"):
+        Limits(unsent_max_s=0)
     limits = Limits(max_message_bytes=2048)
     limits.check_message(2048)
     with pytest.raises(GatewayError, match="2049 bytes is over the gateway's limit of 2048") as refused:

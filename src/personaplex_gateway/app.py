@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .chat_protocol import KIND_ERROR, serve_chat
 from .conversation import GatewayContext, refuse
-from .limits import ConnectionGate, GatewayError, Limits
+from .limits import ConnectionGate, GatewayError, Limits, bound_send_buffer
 from .realtime_protocol import error_event, serve_realtime
 from .triton_session import FrameTimings, TritonChannel, TritonTLS
 from .voices import VoiceCatalog
@@ -101,6 +101,7 @@ def make_app(config: GatewayConfig) -> web.Application:
         ctx = request.app[CONTEXT]
         ws = web.WebSocketResponse(max_msg_size=ctx.limits.transport_max_bytes, heartbeat=30)
         await ws.prepare(request)
+        bound_send_buffer(request)
         try:
             ctx.gate.enter()
         except GatewayError as error:

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="audio ahead of real time that goes to Triton at once (default %(default)s s)")
     p.add_argument("--audio-max-ahead-s", type=float, default=Limits.audio_max_ahead_s,
                    help="audio held back beyond the burst before the client is refused (default %(default)s s)")
+    p.add_argument("--unsent-max-s", type=float, default=Limits.unsent_max_s,
+                   help="the agent's audio held unsent, the client not reading it, before the conversation "
+                        "ends (default %(default)s s)")
     p.add_argument("--tls-cert", type=Path, help="serve HTTPS / WSS with this certificate (PEM) ...")
     p.add_argument("--tls-key", type=Path, help="... and this private key")
     p.add_argument("--triton-tls", action="store_true", help="reach Triton over TLS")
@@ -75,7 +78,8 @@ def config_of(args: argparse.Namespace) -> GatewayConfig:
             raise ValueError("--triton-client-cert and --triton-client-key go together")
         tls = TritonTLS(args.triton_ca, args.triton_client_key, args.triton_client_cert)
     origins = tuple(o.strip().rstrip("/") for o in args.origins.split(",") if o.strip())
-    limits = Limits(args.max_connections or 64, args.max_message_bytes, args.audio_burst_s, args.audio_max_ahead_s)
+    limits = Limits(args.max_connections or 64, args.max_message_bytes, args.audio_burst_s, args.audio_max_ahead_s,
+                    args.unsent_max_s)
     return GatewayConfig(triton_url=args.triton_url, triton_tls=tls, voices=voice_catalog(args),
                          static_dir=args.static, origins=origins, token=args.token or None,
                          max_connections=args.max_connections, limits=limits)

@@ -16,6 +16,8 @@ from .voices import VoiceCatalog
 
 log = logging.getLogger("personaplex_gateway")
 CLOSE_REASON_BYTES = 123  # a WebSocket close frame's reason is at most 123 bytes
+REFUSE_SEND_S = 2.0    # how long the error may wait for a client to read it
+REFUSE_CLOSE_S = 12.0  # and the close: aiohttp waits 10 s for the client's reply, but not for its send
 
 
 @dataclass
@@ -42,10 +44,15 @@ async def refuse(ws: web.WebSocketResponse, error: GatewayError,
     log.info("refused (%s): %s", error.code, error.message)
     if ws.closed:
         return
+    code, reason = error.close_code or CLOSE_NORMAL, close_reason(error.message)
     try:
-        await send_error(error)
-        await ws.close(code=error.close_code or CLOSE_NORMAL, message=close_reason(error.message))
-    except (ConnectionError, RuntimeError):  # the client is already gone
+        try:
+            await asyncio.wait_for(send_error(error), REFUSE_SEND_S)
+        except asyncio.TimeoutError:  # a client that reads nothing: it gets the close alone
+            pass
+        # A close that cannot be sent in time drops the connection (aiohttp closes the transport).
+        await asyncio.wait_for(ws.close(code=code, message=reason), REFUSE_CLOSE_S)
+    except (ConnectionError, RuntimeError, asyncio.TimeoutError):  # the client is gone, or reads nothing
         pass
 
 

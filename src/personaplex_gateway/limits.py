@@ -1,10 +1,14 @@
 """What the gateway lets a client do: how many conversations at once, how big a message,
-how fast the audio; and the error every refusal carries outward."""
+how fast the audio, how much of the agent's audio may wait unread; and the error every refusal
+carries outward."""
 
 from __future__ import annotations
 
 import math
+import socket
 from dataclasses import dataclass
+
+from aiohttp import web
 
 from .framing import FRAME_SECONDS
 
@@ -15,6 +19,9 @@ CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_SERVER_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
+
+SEND_BUFFER_BYTES = 64 * 1024  # a conversation socket's kernel send buffer (Linux doubles it): 1 s of the
+                               # Realtime API's audio, 10 of Opus; far more than one RTT of either
 
 
 class GatewayError(Exception):
@@ -33,12 +40,14 @@ class Limits:
     """max_connections: conversations at once; max_message_bytes: the largest WebSocket message
     accepted; audio_burst_s: audio a client may send ahead of real time that still goes to
     Triton at once; audio_max_ahead_s: audio held back beyond that (throttled) before the
-    client is refused."""
+    client is refused; unsent_max_s: the agent's audio the gateway holds unsent, the client not
+    reading its socket, before the conversation ends."""
 
     max_connections: int = 64
     max_message_bytes: int = 128 * 1024
     audio_burst_s: float = 1.0
     audio_max_ahead_s: float = 3.0
+    unsent_max_s: float = 10.0
 
     def __post_init__(self):
         if self.max_connections < 1:
@@ -48,6 +57,8 @@ class Limits:
         if self.audio_burst_s < 0 or self.audio_max_ahead_s <= 0:
             raise ValueError("audio_burst_s must be >= 0 and audio_max_ahead_s > 0, got "
                              f"{self.audio_burst_s} and {self.audio_max_ahead_s}")
+        if self.unsent_max_s <= 0:
+            raise ValueError(f"unsent_max_s must be > 0, got {self.unsent_max_s}")
 
     @property
     def transport_max_bytes(self) -> int:
@@ -59,6 +70,15 @@ class Limits:
         if size > self.max_message_bytes:
             raise GatewayError("message_too_large", f"a message of {size} bytes is over the gateway's "
                                f"limit of {self.max_message_bytes} bytes", CLOSE_TOO_BIG)
+
+
+def bound_send_buffer(request: web.Request) -> None:
+    """Fix the kernel's send buffer of a conversation's socket at SEND_BUFFER_BYTES: autotuned, it
+    grows to 4 MB (a minute of the Realtime API's audio, more of Opus) for a client that reads
+    nothing, before the gateway's own bound on unsent answers (`Limits.unsent_max_s`) sees it."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
 
 class ConnectionGate:

@@ -25,7 +25,7 @@ from personaplex_stream import Persona, build_request_inputs, new_sequence_id
 from personaplex_stream import contract
 from tritonclient.utils import InferenceServerException
 
-from .framing import FRAME_SAMPLES, FrameBuffer
+from .framing import FRAME_SAMPLES, FRAME_SECONDS, FrameBuffer
 from .limits import CLOSE_POLICY, CLOSE_SERVER_ERROR, CLOSE_TRY_AGAIN_LATER, AudioPacer, GatewayError, Limits
 
 log = logging.getLogger("personaplex_gateway")
@@ -166,6 +166,7 @@ class TritonSession:
         self.sequence_id = new_sequence_id()
         self._frames = FrameBuffer()
         self._pacer = AudioPacer(limits.audio_burst_s, limits.audio_max_ahead_s)
+        self._unsent_max_s = limits.unsent_max_s
         self._queue: asyncio.Queue = asyncio.Queue()
         self._answers: asyncio.Queue = asyncio.Queue()
         self._ready = asyncio.Event()
@@ -194,7 +195,13 @@ class TritonSession:
 
     def feed(self, samples: np.ndarray, received_at: float) -> None:
         """Queue the client's audio (float32, 24 kHz mono) from a message received at `received_at`
-        (perf_counter, before it was decoded); GatewayError where it comes too fast."""
+        (perf_counter, before it was decoded); GatewayError where it comes too fast, or where
+        the client leaves too much of the agent's audio unread (its socket's buffers full, the
+        answers would pile up here for as long as it talks)."""
+        unsent_s = self._answers.qsize() * FRAME_SECONDS  # an answer a frame
+        if unsent_s > self._unsent_max_s:
+            raise GatewayError("client_too_slow", f"the client has left {unsent_s:.2f} s of the agent's audio unread "
+                               f"(the limit is {self._unsent_max_s:g} s); the conversation ends", CLOSE_POLICY)
         for frame in self._frames.push(samples):
             self._pacer.arrive(self._frames_fed, received_at)
             self._queue.put_nowait(_Frame(self._frames_fed, frame, received_at))

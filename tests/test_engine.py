@@ -591,3 +591,37 @@ def test_a_delivery_that_breaks_errors_every_pending_request():
         assert not engine.healthy
     finally:
         engine.shutdown()
+
+
+def test_send_threads_deliver_at_once_each_conversation_in_order():
+    """With several send threads (the outbox's lanes) the answers of different conversations
+    are in flight at once, while each conversation's leave in order and every request completes."""
+    engine = SlotEngine(CountingStage(6), send_threads=3)
+    in_flight, most, lock = [0], [0], threading.Lock()
+
+    class SlowSender(Collector):
+        def on_output(self, output, index, last):
+            with lock:
+                in_flight[0] += 1
+                most[0] = max(most[0], in_flight[0])
+            time.sleep(0.005)  # a send's round trip to tritonserver
+            super().on_output(output, index, last)
+            with lock:
+                in_flight[0] -= 1
+
+    try:
+        collectors = {key: SlowSender() for key in range(6)}
+        for key in collectors:
+            engine.open(key, None)
+        for key, c in collectors.items():
+            engine.submit(key, list(range(20)), c.on_output, c.on_done)
+        for c in collectors.values():
+            c.wait()
+        for c in collectors.values():
+            assert [x for x, _ in c.outputs] == list(range(20)) and c.indices == list(range(20))
+            assert c.errors == [None]
+        assert most[0] >= 2
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="at least one lane"):
+        SlotEngine(CountingStage(1), send_threads=0)

@@ -15,7 +15,7 @@ class TritonPythonModel:
         self.service = Code2WavService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
             pick_device(params.get("device", "auto"), instance_gpu(args)), params["mimi_runtime"],
-            metrics=TritonMetrics(args["model_name"]))
+            send_threads=int(params.get("send_threads", "1")), metrics=TritonMetrics(args["model_name"]))
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
         self.instance = args["model_instance_name"]

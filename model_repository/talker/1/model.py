@@ -22,7 +22,7 @@ class TritonPythonModel:
             int(params["persona_cache_size"]), params["mimi_runtime"],
             params.get("warm_personas", ""), params.get("dtype", "auto"),
             params.get("kv_dtype", "auto"), float(params.get("min_tick_interval_ms", "0")),
-            metrics=TritonMetrics(args["model_name"]))
+            int(params.get("send_threads", "1")), metrics=TritonMetrics(args["model_name"]))
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
         log_info(warmed_log_line(args["model_name"], self.service.warmed))

@@ -56,12 +56,14 @@ class SlotEngine:
     def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
-                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0):
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
+                 send_threads: int = 1):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
         `gather`, `gather_max_s`, `admission_tick_s`, `min_tick_interval_s`: the scheduler's
-        (scheduler.py)."""
+        (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
+        answers (outbox.py)."""
         self.stage = stage
         self.name = name
         self.metrics = metrics or Metrics()
@@ -75,7 +77,8 @@ class SlotEngine:
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
         outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
-            f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE))
+            f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE),
+            lanes=send_threads, lane_of=lambda answer: answer.conversation.key)
         ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults,
                         on_tick=self.scheduler.record, on_out_of_memory=self.scheduler.out_of_memory)
         self._loop = EngineLoop(name, stage, self._cond, self._table, self.scheduler, ticker, outbox, self._fail,

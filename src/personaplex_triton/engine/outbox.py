@@ -1,11 +1,14 @@
-"""A thread that delivers a stage's answers, so the next tick need not wait for the sends.
+"""Threads that deliver a stage's answers, so the next tick need not wait for the sends.
 
 A Python-backend model answers one response at a time: at 64 conversations a talker tick's 64
 sends took 13 ms on the H200, time in which the GPU sat idle. The engine puts each tick's
-answers here and starts its next tick at once; this thread delivers them in the order they
-were put, so a conversation's frames still leave in order. A delivery that fails outside what
-it handles itself goes to `on_failure`: the engine then errors every pending request, as when
-its own loop dies, so no request waits in silence.
+answers here and starts its next tick at once. Each lane (a thread) delivers the answers of its
+own conversations (`lane_of`) in the order they were put, so a conversation's frames still
+leave in order. A send is a round trip to tritonserver that releases the GIL while it waits,
+and tritonserver takes the sends on a pool of threads (Python backend), so several lanes can
+have sends in flight at once. A delivery that fails outside what it handles itself goes to
+`on_failure`: the engine then errors every pending request, as when its own loop dies, so no
+request waits in silence.
 """
 
 from __future__ import annotations
@@ -18,30 +21,28 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
-class Outbox:
-    def __init__(self, name: str, deliver: Callable[[Any], None], on_failure: Callable[[Exception], None]):
-        """`deliver(batch)` is called on the outbox's thread for each batch put, in order;
-        `on_failure(exc)` when it raises."""
+class _Lane:
+    """One thread delivering the batches put to it, in order."""
+
+    def __init__(self, name: str, deliver: Callable[[list], None], on_failure: Callable[[Exception], None]):
         self._deliver = deliver
         self._on_failure = on_failure
         self._batches: deque = deque()
         self._cond = threading.Condition()
         self._open = True
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-outbox", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
 
-    def put(self, batch: Any) -> None:
+    def put(self, batch: list) -> None:
         with self._cond:
             self._batches.append(batch)
             self._cond.notify_all()
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Deliver what was put, then stop the thread."""
+    def stop(self) -> None:
+        """Deliver what was put, then end the thread."""
         with self._cond:
             self._open = False
             self._cond.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
 
     def _loop(self) -> None:
         while True:
@@ -56,3 +57,35 @@ class Outbox:
             except Exception as exc:
                 log.exception("delivering answers failed")
                 self._on_failure(exc)
+
+
+class Outbox:
+    def __init__(self, name: str, deliver: Callable[[list], None], on_failure: Callable[[Exception], None],
+                 lanes: int = 1, lane_of: Callable[[Any], int] = hash):
+        """`deliver(answers)` is called on a lane's thread for each part of a batch put, in order;
+        `on_failure(exc)` when it raises. `lanes` threads share the answers by `lane_of(answer)`
+        (an int; answers that must leave in order need the same one)."""
+        if lanes < 1:
+            raise ValueError(f"an outbox needs at least one lane, got {lanes}")
+        self._lane_of = lane_of
+        self._lanes = [_Lane(f"{name}-outbox" + (f"-{i}" if lanes > 1 else ""), deliver, on_failure)
+                       for i in range(lanes)]
+
+    def put(self, batch: list) -> None:
+        if len(self._lanes) == 1:
+            self._lanes[0].put(batch)
+            return
+        parts: list[list] = [[] for _ in self._lanes]
+        for answer in batch:
+            parts[self._lane_of(answer) % len(parts)].append(answer)
+        for lane, part in zip(self._lanes, parts):
+            if part:
+                lane.put(part)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Deliver what was put, then stop the threads."""
+        for lane in self._lanes:
+            lane.stop()
+        for lane in self._lanes:
+            if threading.current_thread() is not lane.thread:
+                lane.thread.join(timeout_s)

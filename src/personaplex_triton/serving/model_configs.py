@@ -51,6 +51,9 @@ MIMI_RUNTIME = Parameter("mimi_runtime", "auto",
 CHECKPOINT = Parameter("checkpoint", "", '"" serves $PERSONAPLEX_CHECKPOINT, else the generated checkpoints/tiny '
                                          "of this repository.")
 DEVICE = Parameter("device", "auto", "auto: the instance's GPU where there is one, else the CPU.")
+SEND_THREADS = Parameter("send_threads", "1", "Threads that send a tick's answers, each its own conversations' in "
+                                             "order: a send is a round trip to tritonserver, and several can be "
+                                             "in flight at once.")
 
 PARAMETERS = {
     "talker": (
@@ -74,11 +77,12 @@ PARAMETERS = {
         Parameter("min_tick_interval_ms", "0", "The least time from one tick's start to the next's: fewer, larger "
                                                "ticks (less GPU work for the same frames, frames wait longer for "
                                                "theirs); 0: a tick starts as soon as a frame waits."),
+        SEND_THREADS,
     ),
     "code2wav": (
         Parameter("max_conversations", "auto", "More than the talker's: a conversation that ends without FINAL "
                                                "holds its slot until replaced. auto: 8 on a CPU, 192 on a GPU."),
-        CHECKPOINT, DEVICE, MIMI_RUNTIME,
+        CHECKPOINT, DEVICE, MIMI_RUNTIME, SEND_THREADS,
     ),
 }
 

@@ -169,7 +169,7 @@ class TalkerService:
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
                  warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
-                 min_tick_interval_ms: float = 0.0, metrics: Metrics | None = None):
+                 min_tick_interval_ms: float = 0.0, send_threads: int = 1, metrics: Metrics | None = None):
         import torch
 
         from ..lm import kv_cache
@@ -193,7 +193,7 @@ class TalkerService:
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
                                  admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
-                                 min_tick_interval_s=min_tick_interval_ms / 1000)
+                                 min_tick_interval_s=min_tick_interval_ms / 1000, send_threads=send_threads)
 
     def warm(self, voices: str) -> list[str]:
         """Prefill personas into the persona cache before serving, so their first conversation
@@ -285,7 +285,8 @@ class Code2WavService:
     """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
-                 mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, metrics: Metrics | None = None):
+                 mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, send_threads: int = 1,
+                 metrics: Metrics | None = None):
         from ..mimi.runtime import open_step
 
         self.metrics = metrics or Metrics()
@@ -302,7 +303,7 @@ class Code2WavService:
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics,
-                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S)
+                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:

@@ -21,8 +21,8 @@
 #                                    # persona every 30 s (ARG: more bench.run options, e.g. --out DIR)
 #   scripts/gpu_host.sh engine [DIR] # there, no server up (part2 and a tokenizer suffice): the
 #                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
-#   scripts/gpu_host.sh traces DIR   # there: the server's frame traces as DIR/trace.tar.xz (to read
-#                                    # them tick by tick here: bench/ticks.py, core/trace.py)
+#   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
+#                                    # (to read them tick by tick here: bench/ticks.py, core/trace.py)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
@@ -211,7 +211,8 @@ case "${1:-}" in
     bench) shift; bench "$@" ;;
     bench-long) shift; bench_long "$@" ;;
     engine) engine "${2:-}" ;;
-    traces) mkdir -p "${2:?traces needs a folder}"; tar -C "$(dirname "$TRACE_DIR")" -cf - "$(basename "$TRACE_DIR")" | xz -T0 -6 > "$2/trace.tar.xz" ;;
+    traces) mkdir -p "${2:?traces needs a folder}"  # the frame traces and the server's log (each start's stall)
+        tar -C "$(dirname "$TRACE_DIR")" -cf - "$(basename "$TRACE_DIR")" tritonserver.log | xz -T0 -6 > "$2/trace.tar.xz" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
     *) sed -n '2,32p' "$0"; exit 2 ;;

@@ -1,6 +1,7 @@
 """End to end on a real `tritonserver` (the nvidia-pytriton build) with the real tritonclient."""
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -195,3 +196,13 @@ def test_each_stage_logs_the_mimi_runtime_it_runs(server):
 
     # auto on a CPU with `make export` done: ONNX Runtime for both halves of Mimi.
     assert mimi_runtimes_in_log(server.log_path) == {"talker": "onnxruntime", "code2wav": "onnxruntime"}
+
+
+def test_the_librarys_log_reaches_the_servers_log(server, solo):
+    """The engine's log records reach tritonserver's log at their level, each start with how long
+    it held the ticks (a new persona's prefill): before, the stub dropped INFO records."""
+    log = server.log_path.read_text()
+    starts = re.findall(r"personaplex_triton\.engine\.engine_loop: (talker|code2wav): started (\d+) conversation\(s\) "
+                        r"in ([\d.]+) ms", log)
+    assert {stage for stage, _, _ in starts} == {"talker", "code2wav"}
+    assert all(int(n) >= 1 and float(ms) >= 0 for _, n, ms in starts)

@@ -4,13 +4,14 @@ from personaplex_triton.core import loaders, seam
 from personaplex_triton.serving.serving import Code2WavService, pick_device, slots_log_line
 from personaplex_triton.serving.shutdown import mark_finalized, register
 from personaplex_triton.serving.triton_adapter import (
-    TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder)
+    TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder, route_library_logs)
 
 INPUTS = tuple(spec.name for spec in seam.TENSORS)
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        route_library_logs()
         params = model_parameters(args)
         self.service = Code2WavService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],

@@ -6,7 +6,7 @@ from personaplex_triton.core import contract, loaders, seam
 from personaplex_triton.serving.serving import TalkerService, pick_device, seam_frame, slots_log_line, warmed_log_line
 from personaplex_triton.serving.shutdown import Drain, OpenSequences, mark_finalized, register
 from personaplex_triton.serving.triton_adapter import (
-    TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder,
+    TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder, route_library_logs,
     sequence_flags, sequence_idle_s)
 
 INPUTS = tuple(spec.name for spec in contract.INPUTS)
@@ -15,6 +15,7 @@ DECODER = "code2wav"  # the next stage, whose sequences this one ends at shutdow
 
 class TritonPythonModel:
     def initialize(self, args):
+        route_library_logs()
         params = model_parameters(args)
         self.service = TalkerService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],

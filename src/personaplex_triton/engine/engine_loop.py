@@ -125,10 +125,16 @@ class EngineLoop(threading.Thread):
     def _start(self, starting: list[Conversation]) -> None:
         """Start the conversations admitted since the last pass together (one reset of the
         model for all); one that cannot start ends with the reason, the others go on."""
+        began = time.perf_counter()
         try:
             failed = self.stage.start_many({conv.slot: conv.setup for conv in starting})
         except Exception as exc:  # a bad persona must not take the engine down
             failed = {conv.slot: exc for conv in starting}
+        # The live conversations' frames wait for it: a new persona's prefill is the longest.
+        with self._lock:
+            live = len(self._table.live())
+        log.info("%s: started %d conversation(s) in %.1f ms, %d live", self.name, len(starting),
+                 (time.perf_counter() - began) * 1e3, live)
         for conv in starting:
             exc = failed.get(conv.slot)
             if exc is not None:

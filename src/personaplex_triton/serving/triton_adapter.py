@@ -6,6 +6,7 @@ Importable only inside Triton's Python backend stub, which provides that module.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -31,6 +32,37 @@ def instance_gpu(args: dict) -> int | None:
 def log_info(message: str) -> None:
     """Into tritonserver's log (shown with --log-info, the default)."""
     pb_utils.Logger.log_info(message)
+
+
+class TritonLogHandler(logging.Handler):
+    """The library's log records into tritonserver's log, at their level. The stub gives Python's
+    logging no handler: the library's INFO records (a conversation closed for idling, or
+    cancelled; how long a start held the ticks) were lost, and its warnings reached stderr bare."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            if record.levelno >= logging.ERROR:
+                pb_utils.Logger.log_error(message)
+            elif record.levelno >= logging.WARNING:
+                pb_utils.Logger.log_warn(message)
+            else:
+                pb_utils.Logger.log_info(message)
+        except Exception:
+            self.handleError(record)
+
+
+def route_library_logs() -> None:
+    """Send the `personaplex_triton` loggers' records (INFO and up) to tritonserver's log, once
+    per stub process."""
+    library = logging.getLogger("personaplex_triton")
+    if not any(isinstance(handler, TritonLogHandler) for handler in library.handlers):
+        library.addHandler(TritonLogHandler())
+        library.setLevel(logging.INFO)
 
 
 def request_arrays(request, names) -> dict[str, np.ndarray]:

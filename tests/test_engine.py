@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from personaplex_triton.engine.engine import ConversationError, SlotEngine
+from personaplex_triton.engine.starts import StartJob
 
 
 class CountingStage:
@@ -625,3 +626,90 @@ def test_send_threads_deliver_at_once_each_conversation_in_order():
         engine.shutdown()
     with pytest.raises(ValueError, match="at least one lane"):
         SlotEngine(CountingStage(1), send_threads=0)
+
+
+class PiecewiseStage(CountingStage):
+    """Starts in pieces (`begin_starts`), `piece_s` each; a "broken" setup fails at its second
+    piece. `log` says what ran in order: ("piece", slots), ("tick", slots), ("stop", slot)."""
+
+    def __init__(self, num_slots, pieces=5, piece_s=0.01):
+        super().__init__(num_slots, tick_s=0.002)
+        self.pieces, self.piece_s, self.log = pieces, piece_s, []
+
+    def begin_starts(self, setups):
+        def pieces(failed):
+            for i in range(self.pieces):
+                self.log.append(("piece", sorted(setups)))
+                if i == 1 and "broken" in setups.values():
+                    raise RuntimeError("broken persona")
+                time.sleep(self.piece_s)
+                yield
+            for slot in setups:
+                self.seen[slot] = 0
+        return StartJob(pieces)
+
+    def tick(self, items):
+        self.log.append(("tick", sorted(items)))
+        return super().tick(items)
+
+    def stop(self, slot):
+        self.log.append(("stop", slot))
+
+
+def test_a_start_in_pieces_lets_the_live_conversations_tick_between_them():
+    """While a conversation starts in pieces, the live one's frames tick between the pieces;
+    the newcomer's frames wait for its start's last piece, then all come, in order."""
+    stage = PiecewiseStage(2)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        run(engine, 1, ["warm"])
+        live, newcomer = Collector(), Collector()
+        engine.submit(1, list(range(40)), live.on_output, live.on_done)
+        engine.open(2, None)
+        engine.submit(2, list(range(5)), newcomer.on_output, newcomer.on_done)
+        live.wait(), newcomer.wait()
+        assert [x for x, _ in live.outputs] == list(range(40)) and [x for x, _ in newcomer.outputs] == list(range(5))
+        pieces = [i for i, entry in enumerate(stage.log) if entry == ("piece", [1])]  # the newcomer's slot
+        ticks_between = [slots for what, slots in stage.log[pieces[0]:pieces[-1]] if what == "tick"]
+        assert len(pieces) == 5 and ticks_between and all(slots == [0] for slots in ticks_between)
+        assert all(1 not in slots for what, slots in stage.log[:pieces[-1]] if what == "tick")
+    finally:
+        engine.shutdown()
+
+
+def test_a_start_that_fails_in_a_piece_ends_its_conversation_only():
+    """A piece that raises fails the conversations of its start (those admitted with it), not
+    the live ones."""
+    stage = PiecewiseStage(2)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        run(engine, 1, ["w"])
+        engine.open(2, "broken")
+        c = run(engine, 2, ["x"])
+        assert c.outputs == [] and "could not start the conversation: broken persona" in c.errors[0]
+        assert run(engine, 1, ["y"]).outputs == [("y", 2)]
+    finally:
+        engine.shutdown()
+
+
+def test_a_conversation_closed_while_it_starts_frees_its_slot_after_the_start():
+    """Its slot is not freed (the stage's stop) while its start may still write into it."""
+    stage = PiecewiseStage(1, piece_s=0.05)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        assert wait_until(lambda: stage.log)  # its start under way
+        c = Collector()
+        engine.submit(1, [], c.on_output, c.on_done, close=True)
+        c.wait()
+        deadline = time.monotonic() + 10
+        while ("stop", 0) not in stage.log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pieces = [i for i, (what, _) in enumerate(stage.log) if what == "piece"]
+        assert len(pieces) == 5 and stage.log.index(("stop", 0)) > pieces[-1]  # conversation 2's come after
+        engine.open(2, None)  # the slot is free again
+        assert run(engine, 2, ["z"]).outputs == [("z", 1)]
+    finally:
+        engine.shutdown()

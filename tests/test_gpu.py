@@ -236,3 +236,52 @@ def test_the_talkers_encode_on_a_stream_of_its_own_gives_the_same_tokens(files):
     finally:
         for talker in talkers:
             talker.close()
+
+
+def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once(files, monkeypatch):
+    """A new persona's start in pieces (8-position prefill passes) while another conversation
+    ticks between them, its graphed steps padding their batch with slots they do not carry (the
+    starting one among them): both give the tokens they give when the start runs at once and
+    the same ticks follow it (the same batches, in bf16), greedy."""
+    import numpy as np
+
+    from personaplex_triton.core import loaders
+    from personaplex_triton.lm import prefill
+    from personaplex_triton.mimi.runtime import open_step
+    from personaplex_triton.stages.persona import Persona, VoicePrompt, load_voice
+    from personaplex_triton.stages.talker import Talker, TalkerSetup
+
+    voice = VoicePrompt("NATF0-short", frames=load_voice(files.voices / "NATF0.wav").frames[:8])
+    frames = (0.1 * np.random.default_rng(7).standard_normal((12, 1920))).astype(np.float32)
+    tokenizer = loaders.get_tokenizer(files)
+    live = TalkerSetup(Persona(voice, tuple(tokenizer.encode("Talk about cooking."))), SamplingParams(greedy=True))
+    new = TalkerSetup(Persona(voice, tuple(tokenizer.encode("Be a wise teacher."))), SamplingParams(greedy=True))
+    talker = Talker(loaders.get_lm(files, "cuda"), open_step("encoder", files, device="cuda"), tokenizer, SLOTS)
+    monkeypatch.setattr(prefill, "PREFILL_CHUNK", 8)
+
+    def conversation(interleaved: bool):
+        answers = {1: [], 2: []}
+
+        def tick(items):
+            for slot, step in talker.tick(items).items():
+                answers[slot].append((step.text_token, tuple(map(int, step.codes))))
+
+        talker.start(1, live)
+        tick({1: frames[0]})
+        job, pieces = talker.begin_starts({2: new}), 0
+        while not job.advance():
+            pieces += 1
+            if interleaved:
+                tick({1: frames[len(answers[1])]})
+        for _ in range(0 if interleaved else pieces):
+            tick({1: frames[len(answers[1])]})
+        assert job.failed == {} and pieces >= 3
+        while len(answers[2]) < len(frames):
+            tick({2: frames[len(answers[2])], **({1: frames[len(answers[1])]} if len(answers[1]) < len(frames) else {})})
+        talker.stop(1), talker.stop(2)
+        return answers
+
+    try:
+        assert conversation(interleaved=True) == conversation(interleaved=False)
+    finally:
+        talker.close()

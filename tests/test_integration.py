@@ -199,10 +199,13 @@ def test_each_stage_logs_the_mimi_runtime_it_runs(server):
 
 
 def test_the_librarys_log_reaches_the_servers_log(server, solo):
-    """The engine's log records reach tritonserver's log at their level, each start with how long
-    it held the ticks (a new persona's prefill): before, the stub dropped INFO records."""
+    """The engine's log records reach tritonserver's log at their level (before, the stub dropped
+    INFO records), each start with its pieces and the longest: how long the live conversations'
+    frames waited for it."""
     log = server.log_path.read_text()
     starts = re.findall(r"personaplex_triton\.engine\.engine_loop: (talker|code2wav): started (\d+) conversation\(s\) "
-                        r"in ([\d.]+) ms", log)
-    assert {stage for stage, _, _ in starts} == {"talker", "code2wav"}
-    assert all(int(n) >= 1 and float(ms) >= 0 for _, n, ms in starts)
+                        r"in ([\d.]+) ms over (\d+) piece\(s\), the longest ([\d.]+) ms", log)
+    assert {stage for stage, *_ in starts} == {"talker", "code2wav"}
+    assert all(int(n) >= 1 and int(pieces) >= 1 and float(ms) >= float(longest) for _, n, ms, pieces, longest in starts)
+    # a new persona's prefill (the solo conversation's voice and role prompt) takes pieces
+    assert max(int(pieces) for stage, _, _, pieces, _ in starts if stage == "talker") > 1

@@ -259,6 +259,74 @@ def test_starting_together_equals_starting_one_by_one(talker, wav_voice, user_fr
         talker.persona_cache = PersonaCache(0)
 
 
+
+def steps_of(answers: dict, slot: int) -> list:
+    return [(step.text_token, tuple(int(c) for c in step.codes)) for step in answers[slot]]
+
+
+def test_a_start_in_pieces_beside_a_ticking_conversation_answers_as_each_alone(talker, wav_voice, user_frames,
+                                                                                 monkeypatch):
+    """A new persona's start in pieces (a transformer pass each, here of 8 positions), with
+    another conversation ticking between the pieces: both answer exactly as each does alone."""
+    from personaplex_triton.lm import prefill
+
+    live = setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=3)
+    new = setup(wav_voice, talker.tokenizer, "You are a wise and friendly teacher.", seed=4)
+    alone_live, alone_new = converse(talker, 0, live, user_frames), converse(talker, 0, new, user_frames)
+    monkeypatch.setattr(prefill, "PREFILL_CHUNK", 8)
+    answers = {1: [], 2: []}
+    talker.start(1, live)
+    try:
+        for frame in user_frames[:2]:
+            answers[1] += [talker.tick({1: frame})[1]]
+        job, pieces = talker.begin_starts({2: new}), 0
+        while not job.advance():
+            pieces += 1
+            answers[1] += [talker.tick({1: user_frames[len(answers[1])]})[1]]
+        assert job.failed == {} and pieces >= 3
+        while len(answers[2]) < len(user_frames):
+            items = {2: user_frames[len(answers[2])]}
+            if len(answers[1]) < len(user_frames):
+                items[1] = user_frames[len(answers[1])]
+            for slot, step in talker.tick(items).items():
+                answers[slot].append(step)
+        assert steps_of(answers, 1) == alone_live
+        assert steps_of(answers, 2) == alone_new
+    finally:
+        talker.stop(1), talker.stop(2)
+
+
+def test_a_start_waits_for_another_starts_prefill_of_its_persona(talker, wav_voice, user_frames, monkeypatch):
+    """Two starts of one new persona begun apart (two passes of the engine): the second does
+    not prefill it again but waits, then takes it from the cache; both answer as alone."""
+    from personaplex_triton.lm import prefill
+    from personaplex_triton.stages.talker import PersonaCache
+
+    persona = "You are a wise and friendly teacher."
+    alone = {slot: converse(talker, 0, setup(wav_voice, talker.tokenizer, persona, seed=slot), user_frames)
+             for slot in (1, 2)}
+    monkeypatch.setattr(prefill, "PREFILL_CHUNK", 8)
+    talker.persona_cache = PersonaCache(2)
+    try:
+        first = talker.begin_starts({1: setup(wav_voice, talker.tokenizer, persona, seed=1)})
+        assert not first.advance()  # its prefill under way
+        second = talker.begin_starts({2: setup(wav_voice, talker.tokenizer, persona, seed=2)})
+        done = {}
+        while len(done) < 2:
+            for name, job in (("first", first), ("second", second)):
+                if name not in done and job.advance():
+                    done[name] = job.failed
+        assert done == {"first": {}, "second": {}}
+        assert len(talker.persona_cache) == 1 and talker.persona_cache.hits == 1
+        answers = {1: [], 2: []}
+        for frame in user_frames:
+            for slot, step in talker.tick({1: frame, 2: frame}).items():
+                answers[slot].append(step)
+        assert {slot: steps_of(answers, slot) for slot in (1, 2)} == alone
+    finally:
+        talker.stop(1), talker.stop(2)
+        talker.persona_cache = PersonaCache(0)
+
 def prefill_step_by_step(talker, slot, persona):
     """The reference prefill (the talker's path before batched prefill): one full model step per
     prefill step, depformer and sampling included, every stream forced."""

@@ -86,6 +86,7 @@ class Conversation:
     submitted: int = 0  # items queued so far, over all its requests
     last_active: float = field(default_factory=time.monotonic)
     on_released: list = field(default_factory=list)  # on_done of an empty closing request, owed at release
+    starting: bool = False  # its stage's start is under way, in pieces between ticks (engine_loop.py)
 
     @property
     def idle(self) -> bool:
@@ -93,7 +94,8 @@ class Conversation:
 
     @property
     def closable(self) -> bool:
-        return self.closing and self.idle
+        """Its slot can be freed: nothing owed, and no start still writing into the slot."""
+        return self.closing and self.idle and not self.starting
 
 
 class ConversationTable:
@@ -202,7 +204,12 @@ class ConversationTable:
         return starting
 
     def live(self) -> list[Conversation]:
+        """The conversations holding a slot, started or starting."""
         return [c for c in self.all if c.slot is not None]
+
+    def ready(self) -> list[Conversation]:
+        """The conversations a tick may carry: holding a slot, their start done."""
+        return [c for c in self.all if c.slot is not None and not c.starting]
 
     def owes_work(self) -> bool:
         """Whether some conversation still owes answers or a release (shutdown waits for none)."""

@@ -45,6 +45,9 @@ SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long be
 
 
 class Stage(Protocol):
+    """What the engine drives. A stage may also have `begin_starts(setups) -> StartJob`: the
+    same start in pieces, which the engine runs one a pass, between ticks (starts.py)."""
+
     num_slots: int
 
     def start_many(self, setups: dict[int, Any]) -> dict[int, Exception]: ...  # slot -> why it could not start

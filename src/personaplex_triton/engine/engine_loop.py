@@ -1,8 +1,10 @@
 """The engine's thread: each pass frees, starts, then ticks, so requests only ever queue work.
 
-A pass closes conversations idle too long, releases the slots of ended ones, starts new ones
-(a stage's start sets its slot up in full: the talker plays the persona's prefill there), then
-ticks what the scheduler plans (scheduler.py), once it is due. Between ticks it beats (the model's health signal), asks
+A pass closes conversations idle too long, releases the slots of ended ones, begins the start
+of new ones and runs one piece of each start under way (a stage's start sets its slot up in
+full: the talker plays the persona's prefill there, a chunk a piece; starts.py), then ticks what
+the scheduler plans (scheduler.py), once it is due: a conversation's frames wait for its start,
+the live ones' only for a piece. Between ticks it beats (the model's health signal), asks
 pending requests whether their client is gone, and keeps the occupancy gauges. If the loop
 itself dies, every pending request gets an error (`stop_all`); however it ends, the outbox then
 delivers what it holds and stops.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from ..core import metrics as reasons
@@ -21,12 +24,23 @@ from .answers import finish
 from .conversations import Conversation, ConversationTable
 from .outbox import Outbox
 from .scheduler import Scheduler
+from .starts import StartJob
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
 CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
+
+
+@dataclass
+class _Start:
+    """The start of the conversations admitted in one pass, under way."""
+    conversations: list[Conversation]
+    job: StartJob
+    began: float
+    pieces: int = 0
+    longest_s: float = 0.0  # the longest piece: what the live conversations' frames waited for it
 
 
 class EngineLoop(threading.Thread):
@@ -47,6 +61,7 @@ class EngineLoop(threading.Thread):
         self.metrics = metrics
         self.idle_timeout_s = idle_timeout_s
         self.running = True  # under the lock: False ends the loop at its next pass
+        self._starts: list[_Start] = []
         self._last_cancel_poll = self._last_beat = 0.0
         self._occupancy: tuple[int, int] | None = None
 
@@ -66,7 +81,7 @@ class EngineLoop(threading.Thread):
         table = self._table
         with self._lock:
             due = self._scheduler.due_in()
-            if self.running and not (table.to_start or any(c.closable for c in table.all)) and due != 0:
+            if self.running and not (table.to_start or self._starts or any(c.closable for c in table.all)) and due != 0:
                 self._lock.wait(HEARTBEAT_S if due is None else due)
             if not self.running:
                 return False
@@ -78,14 +93,17 @@ class EngineLoop(threading.Thread):
             owed = [done for conv in [c for c in table.all if c.closable]
                     for done in table.release(conv, self.stage.stop)]
             starting = table.take_starting()
+            for conv in starting:
+                conv.starting = True
         for done in owed:
             finish(self.name, done, None)
         self._beat(now)
         self._poll_cancelled(now)
-        if starting:  # a stage's start plays the persona's prefill: count those as prefilling meanwhile
-            self._report_occupancy(starting=len(starting))
         if starting:
-            self._start(starting)
+            self._begin(starting)
+        if self._starts:
+            self._report_occupancy()  # the conversations starting count as prefilling meanwhile
+            self._advance_starts()
         with self._lock:
             plan = self._scheduler.schedule()
         if plan:
@@ -114,28 +132,51 @@ class EngineLoop(threading.Thread):
                 log.info("%s: conversation %s was cancelled by its client; freeing its slot", self.name, conv.key)
                 self._fail(conv, "the request was cancelled", reasons.CANCELLED)
 
-    def _report_occupancy(self, starting: int = 0) -> None:
-        """The gauges: conversations holding a slot, and of them the `starting` ones (prefilling)."""
+    def _report_occupancy(self) -> None:
+        """The gauges: conversations holding a slot, and of them the starting ones (prefilling)."""
         with self._lock:
-            occupancy = (len(self._table.live()), starting)
+            live = self._table.live()
+            occupancy = (len(live), sum(conv.starting for conv in live))
         if occupancy != self._occupancy:
             self._occupancy = occupancy
             self.metrics.conversations(*occupancy)
 
-    def _start(self, starting: list[Conversation]) -> None:
-        """Start the conversations admitted since the last pass together (one reset of the
-        model for all); one that cannot start ends with the reason, the others go on."""
-        began = time.perf_counter()
+    def _begin(self, starting: list[Conversation]) -> None:
+        """Begin the start of the conversations admitted since the last pass, together (one
+        reset of the model for all): in pieces where the stage has `begin_starts`, else at once."""
+        setups = {conv.slot: conv.setup for conv in starting}
+        begin = getattr(self.stage, "begin_starts", None)
         try:
-            failed = self.stage.start_many({conv.slot: conv.setup for conv in starting})
+            job = begin(setups) if begin is not None else StartJob.at_once(self.stage.start_many, setups)
         except Exception as exc:  # a bad persona must not take the engine down
-            failed = {conv.slot: exc for conv in starting}
-        # The live conversations' frames wait for it: a new persona's prefill is the longest.
+            job = StartJob.at_once(lambda _, exc=exc: {slot: exc for slot in setups}, setups)
+        self._starts.append(_Start(starting, job, time.perf_counter()))
+
+    def _advance_starts(self) -> None:
+        """One piece of each start under way; a start done lets its conversations tick, and one
+        that cannot start ends with the reason, the others go on."""
+        for start in list(self._starts):
+            began = time.perf_counter()
+            try:
+                done, failed = start.job.advance(), start.job.failed
+            except Exception as exc:  # a bad persona must not take the engine down
+                done, failed = True, {conv.slot: exc for conv in start.conversations}
+            start.pieces += 1
+            start.longest_s = max(start.longest_s, time.perf_counter() - began)
+            if done:
+                self._starts.remove(start)
+                self._finish_start(start, failed)
+
+    def _finish_start(self, start: _Start, failed: dict[int, Exception]) -> None:
         with self._lock:
+            for conv in start.conversations:
+                conv.starting = False
             live = len(self._table.live())
-        log.info("%s: started %d conversation(s) in %.1f ms, %d live", self.name, len(starting),
-                 (time.perf_counter() - began) * 1e3, live)
-        for conv in starting:
+        # The live conversations' frames waited for each piece: the longest is what a start costs them.
+        log.info("%s: started %d conversation(s) in %.1f ms over %d piece(s), the longest %.1f ms; %d live",
+                 self.name, len(start.conversations), (time.perf_counter() - start.began) * 1e3, start.pieces,
+                 start.longest_s * 1e3, live)
+        for conv in start.conversations:
             exc = failed.get(conv.slot)
             if exc is not None:
                 log.error("starting conversation %s failed", conv.key, exc_info=exc)

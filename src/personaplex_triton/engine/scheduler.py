@@ -116,11 +116,11 @@ class Scheduler:
     def due_in(self) -> float | None:
         """Seconds until the next tick is due: 0 now, None while no frame waits."""
         now = self._clock()
-        live = self._table.live()
-        queues = [conv.queue for conv in live if conv.queue]
+        ready = self._table.ready()
+        queues = [conv.queue for conv in ready if conv.queue]
         if not queues:
             return None
-        if self.min_tick_interval_s > 0 and self._last_tick_at is not None and len(queues) < len(live):
+        if self.min_tick_interval_s > 0 and self._last_tick_at is not None and len(queues) < len(ready):
             spaced = self._last_tick_at + self.min_tick_interval_s - now
             if spaced > 0:
                 return spaced
@@ -140,7 +140,7 @@ class Scheduler:
         if due is None or due > 0:
             return None
         self._last_tick_at = self._clock()
-        return TickPlan({c.slot: (c, *c.queue.popleft()) for c in self._table.live() if c.queue})
+        return TickPlan({c.slot: (c, *c.queue.popleft()) for c in self._table.ready() if c.queue})
 
     # -- what ticks cost ----------------------------------------------------------------------
     def record(self, frames: int, seconds: float) -> None:

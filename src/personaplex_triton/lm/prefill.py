@@ -1,32 +1,53 @@
-"""A persona's prefill, played into a freshly started slot at once.
+"""A persona's prefill, played into a freshly started slot in pieces.
 
 Every token of a prefill step is forced, so its samples are never used and the depformer need
 not run: the token grid plays all the steps at once on a CPU copy of the slot's row
 (`TokenGrid.play_forced`; step by step, a 7B persona's prefill spent half its time in the
 grid's tiny ops), then the temporal transformer takes all the steps' input embeddings in
-chunked passes, as an LLM takes a prompt.
+chunked passes, as an LLM takes a prompt. `prefill_pieces` yields before each pass, so that the
+engine can tick the live conversations between them (engine/starts.py); `prefill` runs them all.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generator
 
 import torch
 
 if TYPE_CHECKING:
     from .generation import SlotGenerator
 
-PREFILL_CHUNK = 256  # prefill positions per transformer pass
+# Prefill positions per transformer pass, a piece of a start: PersonaPlex's prefill (a 199-frame
+# voice, silences, the role prompt) is about 230 positions, so 4 passes, each holding the live
+# conversations' ticks for a quarter of what one pass would.
+PREFILL_CHUNK = 64
 
 
-@torch.no_grad()
 def prefill(generator: SlotGenerator, slot: int, tokens: torch.Tensor, embeddings: dict[int, torch.Tensor],
             restores: dict[int, torch.Tensor]) -> torch.Tensor:
-    """Play a persona's prefill into a freshly started `slot` of `generator`: `tokens` [M, 17],
-    every stream of every step forced, in the grid's order (text, agent's 8, user's 8);
-    `embeddings`: step -> its input embedding [dim], in place of its tokens' (a voice bundle);
-    `restores`: step -> a ring buffer the grid takes after it. Returns the input embeddings
-    [M, 1, dim]."""
+    """`prefill_pieces` at once; returns the input embeddings [M, 1, dim]."""
+    return run_pieces(prefill_pieces(generator, slot, tokens, embeddings, restores))
+
+
+def run_pieces(pieces: Generator):
+    """Run a generator of pieces to its end; what it returns."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as stop:
+            return stop.value
+
+
+@torch.no_grad()  # a generator's every piece runs under it (torch's context decorators wrap generators)
+def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, embeddings: dict[int, torch.Tensor],
+                   restores: dict[int, torch.Tensor]) -> Generator[None, None, torch.Tensor]:
+    """Play a persona's prefill into a freshly started `slot` of `generator`, yielding before
+    each transformer pass: `tokens` [M, 17], every stream of every step forced, in the grid's
+    order (text, agent's 8, user's 8); `embeddings`: step -> its input embedding [dim], in place
+    of its tokens' (a voice bundle); `restores`: step -> a ring buffer the grid takes after it.
+    Returns the input embeddings [M, 1, dim]. Between pieces other slots may step: this slot's
+    row is never among a step's carried rows (a graphed step pads its batch with rows that do
+    not step), and each pass sets the execution mask anew."""
     if not len(tokens):
         return torch.zeros(0, 1, generator.lm.dim, device=generator.device)
     grid = generator.grid.row(slot, "cpu")
@@ -45,8 +66,9 @@ def prefill(generator: SlotGenerator, slot: int, tokens: torch.Tensor, embedding
         inputs[list(embeddings), 0] = torch.stack(list(embeddings.values())).to(inputs)
     exec_mask = torch.zeros(generator.num_slots, dtype=torch.bool, device=generator.device)
     exec_mask[slot] = True
-    generator.lm.set_exec_mask(exec_mask)
-    with generator.states.slot(slot):
-        for chunk in inputs.transpose(0, 1).split(PREFILL_CHUNK, dim=1):
+    for chunk in inputs.transpose(0, 1).split(PREFILL_CHUNK, dim=1):
+        yield
+        generator.lm.set_exec_mask(exec_mask)
+        with generator.states.slot(slot):
             generator.lm.transformer(chunk)
     return inputs

@@ -29,7 +29,8 @@ from ..core.faults import SlotFault
 from ..lm import kv_cache
 from ..lm.generation import SlotGenerator, StepInputs
 from ..lm.graph_capture import capture_graphs
-from ..lm.prefill import prefill
+from ..engine.starts import Failed, StartJob
+from ..lm.prefill import prefill_pieces, run_pieces
 from ..lm.sampling import SamplingParams
 from ..lm.token_grid import NUM_AUDIO
 from ..mimi.runtime import StepRunner
@@ -48,6 +49,9 @@ class PrefillStep:
     embedding: torch.Tensor | None = None  # [1, dim]
     runs_model: bool = True
     restore_cache: torch.Tensor | None = None  # applied after the step
+
+
+VOICE_FRAMES_A_PIECE = 16  # a WAV voice prompt's frames Mimi codes in one piece of a start
 
 
 def voice_program(voice: VoicePrompt, initial_audio_token: int) -> Iterator[PrefillStep]:
@@ -156,6 +160,7 @@ class Talker:
         # encodes not yet written: (their codes, a future or a QueuedEncode; slots; positions)
         self._encodings: list[tuple] = []
         self._unencoded: dict[int, str] = {}  # slot -> why its last frame has no user codes
+        self._prefilling: set[tuple] = set()  # the persona keys a start is prefilling, in pieces
         # tick ids unique across the talker instances that share a decoder: a random high half
         self._ticks = itertools.count(secrets.randbits(30) << 32)
 
@@ -190,15 +195,24 @@ class Talker:
         if slot in failed:
             raise failed[slot]
 
-    def start_many(self, setups: dict[int, "TalkerSetup"]) -> dict[int, Exception]:
-        """Start conversations in their slots together; returns those that could not, with why
-        (bad settings or a persona that cannot play fail their own conversations only).
+    def start_many(self, setups: dict[int, "TalkerSetup"]) -> Failed:
+        """Start conversations in their slots together, at once; returns those that could not,
+        with why (`begin_starts`)."""
+        return self.begin_starts(setups).run()
+
+    def begin_starts(self, setups: dict[int, "TalkerSetup"]) -> StartJob:
+        """Start conversations in their slots together, in pieces that other slots may tick
+        between (engine/starts.py): bad settings or a persona that cannot play fail their own
+        conversations only.
 
         The model's streaming state and Mimi's are reset once for them all. A persona in the
         cache is copied into all of its slots at once; a new one is prefilled in its first
-        slot, then copied into the others."""
+        slot, a transformer pass a piece, then copied into the others. A start that needs a
+        persona another start is prefilling waits for it, then takes it from the cache."""
+        return StartJob(lambda failed: self._start_pieces(setups, failed))
+
+    def _start_pieces(self, setups: dict[int, "TalkerSetup"], failed: Failed) -> Iterator[None]:
         self.settle()
-        failed: dict[int, Exception] = {}
         for slot, setup in setups.items():
             self._unencoded.pop(slot, None)
             try:
@@ -207,7 +221,7 @@ class Talker:
                 failed[slot] = exc
         ready = {slot: setup for slot, setup in setups.items() if slot not in failed}
         if not ready:
-            return failed
+            return
         self.generator.start_many({slot: setup.sampling for slot, setup in ready.items()})
         self.mimi.reset(list(ready))  # a WAV voice prompt is coded from a fresh stream
         by_persona: dict[tuple, list[int]] = {}
@@ -215,18 +229,24 @@ class Talker:
             by_persona.setdefault(setup.persona.key, []).append(slot)
         for key, slots in by_persona.items():
             try:
+                while key in self._prefilling:  # another start's prefill will put it in the cache
+                    yield
                 snap = self.persona_cache.get(key)
                 if snap is None:
                     first, slots = slots[0], slots[1:]
-                    self.play(first, prefill_program(ready[first].persona, self.lm.initial_token_id))
+                    self._prefilling.add(key)
+                    try:
+                        yield from self.play_pieces(first, prefill_program(ready[first].persona, self.lm.initial_token_id))
+                    finally:
+                        self._prefilling.discard(key)
                     snap = self.generator.snapshot(first)
                     self.persona_cache.put(key, snap)
+                    self.settle()  # the encodes of the ticks between the pieces, before Mimi's reset
                     self.mimi.reset([first])  # Mimi starts afresh on the user's audio
                 if slots:
                     self.generator.restore(slots, snap)
             except Exception as exc:  # a persona that cannot play fails its own conversations
                 failed.update((slot, exc) for slot in by_persona[key])
-        return failed
 
     def stop(self, slot: int) -> None:
         self._unencoded.pop(slot, None)  # the next start resets the slot
@@ -234,12 +254,21 @@ class Talker:
     def play(self, slot: int, program: Iterator[PrefillStep]) -> torch.Tensor:
         """Play prefill steps into a started slot at once (prefill.py); returns the
         input embeddings of the steps that ran the model [M, 1, dim]."""
+        return run_pieces(self.play_pieces(slot, program))
+
+    def play_pieces(self, slot: int, program: Iterator[PrefillStep]):
+        """`play` in pieces, yielding after every VOICE_FRAMES_A_PIECE frames a WAV voice has
+        Mimi code and before each transformer pass (prefill.py)."""
         self.settle()
-        tokens, embeddings, restores = [], {}, {}
+        tokens, embeddings, restores, coded = [], {}, {}, 0
         for step in program:
             agent = step.agent
             if step.pcm is not None:  # a WAV voice's frame: Mimi codes it in the slot's own stream
+                if coded and coded % VOICE_FRAMES_A_PIECE == 0:
+                    yield
+                    self.settle()  # the encodes of the ticks meanwhile, before Mimi steps again
                 agent = self.mimi.encode({slot: step.pcm})[slot].tolist()
+                coded += 1
             if not step.runs_model:
                 continue
             if step.embedding is not None:
@@ -247,8 +276,9 @@ class Talker:
             if step.restore_cache is not None:
                 restores[len(tokens)] = step.restore_cache
             tokens.append((step.text, *agent, *step.user))
-        return prefill(self.generator, slot, torch.tensor(tokens, dtype=torch.long).view(-1, self.generator.grid.num_codebooks),
-                       embeddings, restores)
+        return (yield from prefill_pieces(
+            self.generator, slot, torch.tensor(tokens, dtype=torch.long).view(-1, self.generator.grid.num_codebooks),
+            embeddings, restores))
 
     def text_piece(self, token: int) -> str:
         """The text of a sampled token; padding and other special ids give ''."""

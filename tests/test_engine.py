@@ -713,3 +713,27 @@ def test_a_conversation_closed_while_it_starts_frees_its_slot_after_the_start():
         assert run(engine, 2, ["z"]).outputs == [("z", 1)]
     finally:
         engine.shutdown()
+
+
+def test_starts_under_way_take_turns_a_piece_a_tick():
+    """Two conversations starting at once (admitted in different passes): each pass runs one
+    piece of one of them, so a live conversation's tick waits for one piece, never two."""
+    stage = PiecewiseStage(3, pieces=6, piece_s=0.03)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        run(engine, 1, ["warm"])
+        live = Collector()
+        engine.submit(1, list(range(300)), live.on_output, live.on_done)
+        engine.open(2, None)
+        assert wait_until(lambda: ("piece", [1]) in stage.log)
+        engine.open(3, None)
+        for key in (2, 3):
+            assert run(engine, key, ["x"]).outputs == [("x", 1)]
+        live.wait()
+        entries = stage.log[stage.log.index(("piece", [1])):]
+        last = max(i for i, (what, _) in enumerate(entries) if what == "piece")
+        assert ("piece", [1]) in entries and ("piece", [2]) in entries
+        assert not any(a[0] == b[0] == "piece" for a, b in zip(entries[:last], entries[1:last + 1]))
+    finally:
+        engine.shutdown()

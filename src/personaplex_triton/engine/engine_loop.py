@@ -1,10 +1,10 @@
 """The engine's thread: each pass frees, starts, then ticks, so requests only ever queue work.
 
 A pass closes conversations idle too long, releases the slots of ended ones, begins the start
-of new ones and runs one piece of each start under way (a stage's start sets its slot up in
-full: the talker plays the persona's prefill there, a chunk a piece; starts.py), then ticks what
-the scheduler plans (scheduler.py), once it is due: a conversation's frames wait for its start,
-the live ones' only for a piece. Between ticks it beats (the model's health signal), asks
+of new ones and runs one piece of a start under way, the starts taking turns (a stage's start
+sets its slot up in full: the talker plays the persona's prefill there, a chunk a piece;
+starts.py), then ticks what the scheduler plans (scheduler.py), once it is due: a
+conversation's frames wait for its start, the live ones' only for a piece. Between ticks it beats (the model's health signal), asks
 pending requests whether their client is gone, and keeps the occupancy gauges. If the loop
 itself dies, every pending request gets an error (`stop_all`); however it ends, the outbox then
 delivers what it holds and stops.
@@ -153,19 +153,21 @@ class EngineLoop(threading.Thread):
         self._starts.append(_Start(starting, job, time.perf_counter()))
 
     def _advance_starts(self) -> None:
-        """One piece of each start under way; a start done lets its conversations tick, and one
-        that cannot start ends with the reason, the others go on."""
-        for start in list(self._starts):
-            began = time.perf_counter()
-            try:
-                done, failed = start.job.advance(), start.job.failed
-            except Exception as exc:  # a bad persona must not take the engine down
-                done, failed = True, {conv.slot: exc for conv in start.conversations}
-            start.pieces += 1
-            start.longest_s = max(start.longest_s, time.perf_counter() - began)
-            if done:
-                self._starts.remove(start)
-                self._finish_start(start, failed)
+        """One piece of one start a pass, the starts under way taking turns, so that a tick never
+        waits for more than one piece; a start done lets its conversations tick, and one that
+        cannot start ends with the reason, the others go on."""
+        start = self._starts.pop(0)
+        began = time.perf_counter()
+        try:
+            done, failed = start.job.advance(), start.job.failed
+        except Exception as exc:  # a bad persona must not take the engine down
+            done, failed = True, {conv.slot: exc for conv in start.conversations}
+        start.pieces += 1
+        start.longest_s = max(start.longest_s, time.perf_counter() - began)
+        if done:
+            self._finish_start(start, failed)
+        else:
+            self._starts.append(start)
 
     def _finish_start(self, start: _Start, failed: dict[int, Exception]) -> None:
         with self._lock:

@@ -23,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from personaplex_stream import Persona, new_sequence_id, stream_conversation
 from personaplex_stream.answers import AnswerCollector
@@ -33,6 +36,7 @@ from personaplex_stream.pacing import RealtimePacing, WindowPacing
 from personaplex_stream.stream import _send_frames
 
 from personaplex_triton.core import trace
+from personaplex_triton.serving.serving import starts_in_log
 
 from . import gpu_telemetry, stats, ticks, workload
 from .workload import new_persona, persona_for
@@ -276,6 +280,19 @@ def add_gpu_telemetry(row: dict, samples: list[dict], go: float) -> None:
         window["gpu"] = gpu_telemetry.window_figures(samples, start, start + WINDOW_S)
 
 
+def add_starts(row: dict, server_log: Path, go: float, end: float) -> None:
+    """The talker's starts in the level started at `go` and over at `end`, from the server's log
+    (serving.starts_in_log): how many, the longest piece of each (what the live conversations'
+    frames waited for it) and each whole start, p50 and max (ms)."""
+    logged = starts_in_log(Path(server_log).read_text(errors="replace"), time.localtime(go).tm_year)
+    starts = [s for s in logged if s["stage"] == "talker" and go <= s["at"] <= end]
+    if starts:
+        pieces, wholes = [s["longest_ms"] for s in starts], [s["ms"] for s in starts]
+        row["starts"] = {"count": len(starts), "longest_piece_ms_p50": round(float(np.median(pieces)), 1),
+                         "longest_piece_ms_max": max(pieces), "ms_p50": round(float(np.median(wholes)), 1),
+                         "ms_max": max(wholes)}
+
+
 def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go: float, count: int) -> list[dict]:
     """Per window (stats.windows' of the paced frames), {stage: the records of the frames sent in it}."""
     window_of = {}  # (conversation, frame index): window
@@ -293,13 +310,13 @@ def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go
 
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
           persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
-          trace_dir=None, gpu_memory=None) -> list[dict]:
+          trace_dir=None, gpu_memory=None, server_log: Path | None = None) -> list[dict]:
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
     frames are followed through the stages and each stage's ticks counted, over the level and per
     window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level. Where
     nvidia-smi runs, the GPU's clocks, power and temperatures are sampled along each level
-    (add_gpu_telemetry)."""
+    (add_gpu_telemetry). `server_log`: the server's log, for the talker's starts (add_starts)."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
@@ -315,6 +332,8 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
             add_traces(row, trace_dir, served, go, aged)
         if gpu_memory is not None:
             row["gpu_memory_gib"] = gpu_memory()
+        if server_log is not None:
+            add_starts(row, server_log, go, time.time())
         log(f"  p50 {row['p50']} ms, p99 {row['p99']} ms, late {row['late']}/{row['frames']}, failed {row['failed']}, "
             f"first audio {row['first_audio_ms_p50']} ms: {'held' if row['held'] else 'NOT held'} ({row['why']})")
         rows.append(row)

@@ -250,6 +250,7 @@ def _load_section(result: dict) -> list[str]:
     best = result["largest_held"]
     lines += ["", "Largest number of conversations held: " + (f"**{best}**." if best else "**none** of those tested.")
               + ("" if not aged else " (aged context)"), ""]
+    lines += _starts_table(rows)
     lines += _windows_table(rows)
     lines += _windows_trace_table(rows)
     lines += _windows_gpu_table(rows)
@@ -276,6 +277,23 @@ def _load_section(result: dict) -> list[str]:
                 f"{c['p50_ms']} ({c['p99_ms']}), {c['rows_p50']:g}" if c else "-" for c in cells) + " |")
         lines.append("")
     return lines
+
+
+def _starts_table(rows: list[dict]) -> list[str]:
+    """The talker's starts in each level, from the server's log (loadgen.add_starts)."""
+    started = [r for r in rows if r.get("starts")]
+    if not started:
+        return []
+    lines = ["### The talker's starts", "",
+             "From the server's log: each start runs in pieces between the live conversations' ticks, "
+             "which wait for a piece at a time; its longest piece, and the whole start, p50 / max (ms).", "",
+             "| conversations | starts | longest piece p50 / max (ms) | whole start p50 / max (ms) |",
+             "| ---: | ---: | ---: | ---: |"]
+    for r in started:
+        s = r["starts"]
+        lines.append(f"| {r['conversations']} | {s['count']} | {s['longest_piece_ms_p50']} / {s['longest_piece_ms_max']} "
+                     f"| {s['ms_p50']} / {s['ms_max']} |")
+    return lines + [""]
 
 
 def _windows_table(rows: list[dict]) -> list[str]:

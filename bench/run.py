@@ -141,7 +141,8 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
     if "load" in args.stages:
         result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
-                                       trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib)
+                                       trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib,
+                                       server_log=server_log)
         result["largest_held"] = stats.largest_held(result["load"])
     if "perf-analyzer" in args.stages:
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)

@@ -278,8 +278,11 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     # 2 conversations at once, 3 where a late seat overlaps the next
     assert 1 <= talker["frames_per_tick_mean"] <= talker["frames_per_tick_max"] <= 3
     assert "trace" not in row  # the segments would count the aged frames; the ticks above do not
+    # the new persona's start, from the server's log (the aged ones started before the paced part)
+    assert row["starts"]["count"] >= 1 and 0 < row["starts"]["longest_piece_ms_max"] <= row["starts"]["ms_max"]
     text = (tmp_path / saved.name.replace(".json", ".md")).read_text()
     assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
+    assert "### The talker's starts" in text
     assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()
 
 

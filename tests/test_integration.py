@@ -1,7 +1,6 @@
 """End to end on a real `tritonserver` (the nvidia-pytriton build) with the real tritonclient."""
 
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -201,11 +200,16 @@ def test_each_stage_logs_the_mimi_runtime_it_runs(server):
 def test_the_librarys_log_reaches_the_servers_log(server, solo):
     """The engine's log records reach tritonserver's log at their level (before, the stub dropped
     INFO records), each start with its pieces and the longest: how long the live conversations'
-    frames waited for it."""
-    log = server.log_path.read_text()
-    starts = re.findall(r"personaplex_triton\.engine\.engine_loop: (talker|code2wav): started (\d+) conversation\(s\) "
-                        r"in ([\d.]+) ms over (\d+) piece\(s\), the longest ([\d.]+) ms", log)
-    assert {stage for stage, *_ in starts} == {"talker", "code2wav"}
-    assert all(int(n) >= 1 and int(pieces) >= 1 and float(ms) >= float(longest) for _, n, ms, pieces, longest in starts)
+    frames waited for it. `starts_in_log` reads them back, when each ended among them."""
+    import time
+
+    from personaplex_triton.serving.serving import starts_in_log
+
+    text = server.log_path.read_text()
+    assert "personaplex_triton.engine.engine_loop: talker: started 1 conversation(s) in " in text
+    starts = starts_in_log(text, time.localtime().tm_year)
+    assert {start["stage"] for start in starts} == {"talker", "code2wav"}
+    assert all(start["conversations"] >= 1 and start["pieces"] >= 1 and start["ms"] >= start["longest_ms"]
+               and time.time() - 3600 < start["at"] <= time.time() for start in starts)
     # a new persona's prefill (the solo conversation's voice and role prompt) takes pieces
-    assert max(int(pieces) for stage, _, _, pieces, _ in starts if stage == "talker") > 1
+    assert max(start["pieces"] for start in starts if start["stage"] == "talker") > 1

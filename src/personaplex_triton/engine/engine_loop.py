@@ -29,6 +29,8 @@ from .ticker import Ticker
 
 log = logging.getLogger(__name__)
 
+# Each start's log line (serving.starts_in_log reads it back from tritonserver's log).
+STARTED_LOG = "%s: started %d conversation(s) in %.1f ms over %d piece(s), the longest %.1f ms; %d live"
 HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
 CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
 
@@ -175,9 +177,8 @@ class EngineLoop(threading.Thread):
                 conv.starting = False
             live = len(self._table.live())
         # The live conversations' frames waited for each piece: the longest is what a start costs them.
-        log.info("%s: started %d conversation(s) in %.1f ms over %d piece(s), the longest %.1f ms; %d live",
-                 self.name, len(start.conversations), (time.perf_counter() - start.began) * 1e3, start.pieces,
-                 start.longest_s * 1e3, live)
+        log.info(STARTED_LOG, self.name, len(start.conversations), (time.perf_counter() - start.began) * 1e3,
+                 start.pieces, start.longest_s * 1e3, live)
         for conv in start.conversations:
             exc = failed.get(conv.slot)
             if exc is not None:

@@ -9,6 +9,7 @@ the end (after a last frame, it has nothing left to say).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
 import secrets
@@ -140,6 +141,25 @@ def slots_log_line(model: str, slots: int, why: str) -> str:
 def slots_in_log(text: str) -> dict[str, int]:
     """{model: slots} from a tritonserver log."""
     return {model: int(n) for model, n in re.findall(r"(\w+): (\d+) conversation slots \(", text)}
+
+
+# A start's line (engine_loop.STARTED_LOG) as tritonserver logs it: "I1205 07:29:18.668348 ...".
+_STARTED_IN_LOG = re.compile(
+    r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) .*?(\w+): started (\d+) conversation\(s\) in ([\d.]+) ms "
+    r"over (\d+) piece\(s\), the longest ([\d.]+) ms", re.M)
+
+
+def starts_in_log(text: str, year: int) -> list[dict]:
+    """Each start the stages' engines logged in a tritonserver log of `year` (its lines give no
+    year), in order: when it ended (`at`, seconds since the epoch, the server's local time),
+    `stage`, `conversations`, `ms` (the whole start), `pieces`, `longest_ms` (the longest piece:
+    what the live conversations' frames waited for it)."""
+    starts = []
+    for month, day, hour, minute, second, stage, n, ms, pieces, longest in _STARTED_IN_LOG.findall(text):
+        at = datetime.datetime(year, int(month), int(day), int(hour), int(minute)).timestamp() + float(second)
+        starts.append({"at": at, "stage": stage, "conversations": int(n), "ms": float(ms), "pieces": int(pieces),
+                       "longest_ms": float(longest)})
+    return starts
 
 
 def warmed_log_line(model: str, voices: list[str]) -> str:

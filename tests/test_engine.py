@@ -737,3 +737,18 @@ def test_starts_under_way_take_turns_a_piece_a_tick():
         assert not any(a[0] == b[0] == "piece" for a, b in zip(entries[:last], entries[1:last + 1]))
     finally:
         engine.shutdown()
+
+
+def test_a_drain_answers_a_conversation_whose_start_is_under_way():
+    """Shutdown while a start runs in pieces: the start goes on to its end, then its pending
+    frames are answered, within the drain."""
+    stage = PiecewiseStage(1, pieces=6, piece_s=0.05)
+    engine = SlotEngine(stage)
+    engine.open(1, None)
+    pending = Collector()
+    engine.submit(1, ["a", "b"], pending.on_output, pending.on_done)
+    assert wait_until(lambda: stage.log)  # its start under way
+    engine.shutdown(drain_s=10)
+    pending.wait()
+    assert pending.outputs == [("a", 1), ("b", 2)] and pending.errors == [None]
+    assert sum(entry == ("piece", [0]) for entry in stage.log) == 6

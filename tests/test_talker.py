@@ -323,6 +323,15 @@ def test_a_start_waits_for_another_starts_prefill_of_its_persona(talker, wav_voi
             for slot, step in talker.tick({1: frame, 2: frame}).items():
                 answers[slot].append(step)
         assert {slot: steps_of(answers, slot) for slot in (1, 2)} == alone
+        talker.stop(1), talker.stop(2)
+        # a start at once (nothing ticks until it is done) never waits for a start in pieces: it
+        # prefills a persona the other is prefilling again
+        talker.persona_cache = PersonaCache(2)
+        other = setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=1)
+        paused = talker.begin_starts({1: other})
+        assert not paused.advance()
+        assert talker.start_many({2: setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=2)}) == {}
+        assert paused.run() == {} and talker.persona_cache.hits == 0
     finally:
         talker.stop(1), talker.stop(2)
         talker.persona_cache = PersonaCache(0)

@@ -4,10 +4,10 @@ A pass closes conversations idle too long, releases the slots of ended ones, beg
 of new ones and runs one piece of a start under way, the starts taking turns (a stage's start
 sets its slot up in full: the talker plays the persona's prefill there, a chunk a piece;
 starts.py), then ticks what the scheduler plans (scheduler.py), once it is due: a
-conversation's frames wait for its start, the live ones' only for a piece. Between ticks it beats (the model's health signal), asks
-pending requests whether their client is gone, and keeps the occupancy gauges. If the loop
-itself dies, every pending request gets an error (`stop_all`); however it ends, the outbox then
-delivers what it holds and stops.
+conversation's frames wait for its start, the live ones' only for a piece. Between ticks it
+beats (the model's health signal), asks pending requests whether their client is gone, and
+keeps the occupancy gauges. If the loop itself dies, every pending request gets an error
+(`stop_all`); however it ends, the outbox then delivers what it holds and stops.
 """
 
 from __future__ import annotations

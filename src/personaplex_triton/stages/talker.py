@@ -26,10 +26,10 @@ import torch
 from ..core import loaders
 from ..core.buckets import bucket_for
 from ..core.faults import SlotFault
+from ..engine.starts import Failed, StartJob
 from ..lm import kv_cache
 from ..lm.generation import SlotGenerator, StepInputs
 from ..lm.graph_capture import capture_graphs
-from ..engine.starts import Failed, StartJob
 from ..lm.prefill import prefill_pieces, run_pieces
 from ..lm.sampling import SamplingParams
 from ..lm.token_grid import NUM_AUDIO
@@ -197,8 +197,9 @@ class Talker:
 
     def start_many(self, setups: dict[int, "TalkerSetup"]) -> Failed:
         """Start conversations in their slots together, at once; returns those that could not,
-        with why (`begin_starts`)."""
-        return self.begin_starts(setups).run()
+        with why (`begin_starts`; a persona a start in pieces is prefilling meanwhile is
+        prefilled again, as nothing else runs until this start is done)."""
+        return StartJob(lambda failed: self._start_pieces(setups, failed, wait_for_others=False)).run()
 
     def begin_starts(self, setups: dict[int, "TalkerSetup"]) -> StartJob:
         """Start conversations in their slots together, in pieces that other slots may tick
@@ -211,7 +212,8 @@ class Talker:
         persona another start is prefilling waits for it, then takes it from the cache."""
         return StartJob(lambda failed: self._start_pieces(setups, failed))
 
-    def _start_pieces(self, setups: dict[int, "TalkerSetup"], failed: Failed) -> Iterator[None]:
+    def _start_pieces(self, setups: dict[int, "TalkerSetup"], failed: Failed,
+                      wait_for_others: bool = True) -> Iterator[None]:
         self.settle()
         for slot, setup in setups.items():
             self._unencoded.pop(slot, None)
@@ -229,7 +231,7 @@ class Talker:
             by_persona.setdefault(setup.persona.key, []).append(slot)
         for key, slots in by_persona.items():
             try:
-                while key in self._prefilling:  # another start's prefill will put it in the cache
+                while wait_for_others and key in self._prefilling:  # another start's prefill will cache it
                     yield
                 snap = self.persona_cache.get(key)
                 if snap is None:

@@ -5,7 +5,8 @@ not run: the token grid plays all the steps at once on a CPU copy of the slot's 
 (`TokenGrid.play_forced`; step by step, a 7B persona's prefill spent half its time in the
 grid's tiny ops), then the temporal transformer takes all the steps' input embeddings in
 chunked passes, as an LLM takes a prompt. `prefill_pieces` yields before each pass, so that the
-engine can tick the live conversations between them (engine/starts.py); `prefill` runs them all.
+engine can tick the live conversations between them (engine/starts.py); `run_pieces` runs them
+all.
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ if TYPE_CHECKING:
 # voice, silences, the role prompt) is about 230 positions, so 4 passes, each holding the live
 # conversations' ticks for a quarter of what one pass would.
 PREFILL_CHUNK = 64
-
-
-def prefill(generator: SlotGenerator, slot: int, tokens: torch.Tensor, embeddings: dict[int, torch.Tensor],
-            restores: dict[int, torch.Tensor]) -> torch.Tensor:
-    """`prefill_pieces` at once; returns the input embeddings [M, 1, dim]."""
-    return run_pieces(prefill_pieces(generator, slot, tokens, embeddings, restores))
 
 
 def run_pieces(pieces: Generator):

@@ -106,6 +106,38 @@ def test_two_conversations_at_once_are_isolated(server, solo, user_audio):
     assert not np.allclose(a.audio[: b.audio.size], b.audio, atol=1e-3)
 
 
+def test_send_threads_answer_every_frame_in_order(tiny_checkpoint, solo, user_audio, tmp_path):
+    """Both stages with `send_threads` 3 (each thread sending its own conversations' answers):
+    two conversations at once get every frame, in order, the first exactly what it gets on the
+    default server (one send thread)."""
+    import shutil
+
+    from personaplex_triton.core.paths import MODEL_REPOSITORY
+    from personaplex_triton.serving import model_configs
+    from personaplex_triton.serving.launch import TritonServer
+
+    repository = tmp_path / "model_repository"
+    shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+    model_configs.main(["--out", str(repository), "--set", "talker.send_threads=3", "--set", "code2wav.send_threads=3"])
+    other_audio = audio.read_wav(REPO_ROOT / "export" / "voice_prompts" / "NATM0.wav")
+    results = {}
+    with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}) as server:
+        def talk(name, pcm, persona):
+            results[name] = stream_conversation(pcm, url=server.grpc_url, persona=persona)
+
+        threads = [
+            threading.Thread(target=talk, args=("a", user_audio, Persona(voice="NATF0", text_prompt=PROMPT, seed=1234))),
+            threading.Thread(target=talk, args=("b", other_audio, Persona(voice="NATM0", text_prompt="Be brief.", seed=7))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    a, b = results["a"], results["b"]
+    assert a.frames_received == FIVE_SECONDS and b.frames_received == len(audio.split_frames(other_audio))
+    assert a.text_pieces == solo.text_pieces
+    np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
+
 @pytest.mark.parametrize("change", [dict(seed=99), dict(voice="NATM0"), dict(text_prompt="Talk about cooking.")])
 def test_persona_controls_change_output(server, solo, user_audio, change):
     persona = Persona(**{**dict(voice="NATF0", text_prompt=PROMPT, seed=1234), **change})

@@ -246,6 +246,9 @@ def load_row(n: int, outcomes: list[Outcome], go: float, pool: int | None = None
                                  "first_audio_ms": round(o.result.first_audio_ms, 1) if o.result else None,
                                  "error": None if o.error is None else str(o.error)} for o in outcomes],
            "latencies_ms": [[round(ms, 1) for ms in o.measured_latencies_ms] for o in outcomes]}
+    if any(o.talk.new for o in served):
+        row["near_starts"] = stats.near_starts([(o.talk.start_s, o.talk.new, o.measured_send_s(go),
+                                                 o.measured_latencies_ms) for o in served])
     row["real_time"] = summary["real_time"] and not errors
     return row
 

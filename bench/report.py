@@ -280,11 +280,26 @@ def _load_section(result: dict) -> list[str]:
 
 
 def _starts_table(rows: list[dict]) -> list[str]:
-    """The talker's starts in each level, from the server's log (loadgen.add_starts)."""
+    """What new personas' starts cost the live conversations (stats.near_starts), and the talker's
+    starts in each level from the server's log (loadgen.add_starts)."""
+    lines = []
+    near = [r for r in rows if r.get("near_starts")]
+    if near:
+        within = near[0]["near_starts"]["within_s"]
+        lines += ["### What new personas' starts cost", "",
+                  f"Frames over 80 ms (over 160 ms) of frames: the other conversations' sent within {within:g} s of "
+                  f"a new persona's start, the newcomers' own within {within:g} s of theirs (they wait for it), "
+                  "and the rest.", "",
+                  "| conversations | others, near a start | newcomers' own | the rest |", "| ---: | ---: | ---: | ---: |"]
+        for r in near:
+            cells = [r["near_starts"][name] for name in ("near", "own", "elsewhere")]
+            lines.append(f"| {r['conversations']} | " + " | ".join(
+                f"{c['late']} ({c['over_160']}) of {c['frames']}" for c in cells) + " |")
+        lines.append("")
     started = [r for r in rows if r.get("starts")]
     if not started:
-        return []
-    lines = ["### The talker's starts", "",
+        return lines
+    lines += ["### The talker's starts", "",
              "From the server's log: each start runs in pieces between the live conversations' ticks, "
              "which wait for a piece at a time; its longest piece, and the whole start, p50 / max (ms).", "",
              "| conversations | starts | longest piece p50 / max (ms) | whole start p50 / max (ms) |",

@@ -127,6 +127,27 @@ def windows(send_s: Sequence[float], latencies_ms: Sequence[float], window_s: fl
     return found
 
 
+def near_starts(conversations: Sequence[tuple[float, bool, Sequence[float], Sequence[float]]],
+                within_s: float = 1.0) -> dict:
+    """What new personas' starts cost the others: `conversations` are (start_s, new, send_s,
+    latencies_ms) each, times in seconds from the level's start. Frames of the other
+    conversations sent within `within_s` of a new persona's start (`near`), the newcomers' own
+    frames sent within `within_s` of their start (`own`: they wait for it), and the rest: frames,
+    late (over 80 ms) and over 160 ms of each."""
+    starts = [start for start, new, _, _ in conversations if new]
+    groups: dict[str, list[float]] = {"near": [], "own": [], "elsewhere": []}
+    for start, new, send_s, latencies_ms in conversations:
+        for sent, ms in zip(send_s, latencies_ms):
+            if new and abs(sent - start) <= within_s:
+                groups["own"].append(ms)
+            elif any(abs(sent - other) <= within_s for other in starts if not (new and other == start)):
+                groups["near"].append(ms)
+            else:
+                groups["elsewhere"].append(ms)
+    return {"within_s": within_s, **{name: {"frames": len(ms), "late": late_frames(ms),
+                                            "over_160": late_frames(ms, HELD_MAX_MS)} for name, ms in groups.items()}}
+
+
 def window_index(send_s: Sequence[float], window_s: float = 10.0) -> np.ndarray:
     """The window of `windows` that each send time falls in (one sent before the level's start: the first)."""
     return np.floor(np.maximum(np.asarray(send_s, dtype=np.float64), 0.0) / window_s).astype(int)

@@ -282,7 +282,9 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert row["starts"]["count"] >= 1 and 0 < row["starts"]["longest_piece_ms_max"] <= row["starts"]["ms_max"]
     text = (tmp_path / saved.name.replace(".json", ".md")).read_text()
     assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
-    assert "### The talker's starts" in text
+    assert "### The talker's starts" in text and "### What new personas' starts cost" in text
+    near = row["near_starts"]
+    assert near["own"]["frames"] > 0 and sum(near[g]["frames"] for g in ("near", "own", "elsewhere")) == 62
     assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()
 
 
@@ -439,3 +441,18 @@ def test_gpu_telemetry_is_read_from_nvidia_smi_lines_and_summed_up_per_window():
     assert table[-4:] == ["| 64 | 0 | 50.0 (0) | 1867.5 (1755.0) | 2619.0 | 655.2 | 63.5 / 70.0 | 100.0 | 0x4 |",
                           "| 64 | 10 | 120.0 (30) | 1410.0 (1410.0) | 2619.0 | 700.2 | 83.0 / 88.0 | 100.0 | 0x20 |",
                           "| 64 | 20 | 40.0 (0) | 1980.0 (1980.0) | 2619.0 | 120.0 | 40.0 / 45.0 | 0.0 | 0x1 |", ""]
+
+
+def test_near_starts_tells_what_a_new_persona_costs_the_others_apart():
+    """The others' frames within 1 s of a new persona's start, the newcomer's own first ones,
+    and the rest, each with its late frames and those over 160 ms."""
+    sent = [i * 0.08 for i in range(50)]  # 4 s, from the level's start
+    live = [100.0 if 1.9 <= t <= 2.1 else 40.0 for t in sent]  # slowed around the start at 2.0 s
+    own_sent = [2.0 + i * 0.08 for i in range(25)]
+    own = [200.0, 170.0] + [40.0] * 23  # the newcomer's first frames wait for its start
+    found = stats.near_starts([(0.0, False, sent, live), (2.0, True, own_sent, own)])
+    near_frames = sum(1.0 <= t <= 3.0 for t in sent)
+    assert found["near"] == {"frames": near_frames, "late": 3, "over_160": 0}
+    assert found["own"] == {"frames": sum(t <= 3.0 for t in own_sent), "late": 2, "over_160": 2}
+    assert found["elsewhere"] == {"frames": 50 - near_frames + sum(t > 3.0 for t in own_sent), "late": 0, "over_160": 0}
+    assert stats.near_starts([(0.0, False, sent, live)])["near"]["frames"] == 0  # no newcomer: nothing near

@@ -83,12 +83,14 @@ def test_conversation_through_ensemble(solo, user_audio, in_process):
     assert solo.first_audio_ms > 0 and solo.latency_ms_p95 >= solo.latency_ms_p50 > 0
 
 
-def test_two_conversations_at_once_are_isolated(server, solo, user_audio):
+def two_conversations_at_once(url: str, user_audio):
+    """`solo`'s conversation and another (a voice prompt as the user's audio, another persona)
+    at once: their results, and the other's audio."""
     other_audio = audio.read_wav(REPO_ROOT / "export" / "voice_prompts" / "NATM0.wav")
     results = {}
 
     def talk(name, pcm, persona):
-        results[name] = stream_conversation(pcm, url=server.grpc_url, persona=persona)
+        results[name] = stream_conversation(pcm, url=url, persona=persona)
 
     threads = [
         threading.Thread(target=talk, args=("a", user_audio, Persona(voice="NATF0", text_prompt=PROMPT, seed=1234))),
@@ -98,7 +100,11 @@ def test_two_conversations_at_once_are_isolated(server, solo, user_audio):
         t.start()
     for t in threads:
         t.join()
-    a, b = results["a"], results["b"]
+    return results["a"], results["b"], other_audio
+
+
+def test_two_conversations_at_once_are_isolated(server, solo, user_audio):
+    a, b, other_audio = two_conversations_at_once(server.grpc_url, user_audio)
     assert a.frames_received == FIVE_SECONDS
     assert b.frames_received == len(audio.split_frames(other_audio))
     assert a.text_pieces == solo.text_pieces
@@ -119,21 +125,8 @@ def test_send_threads_answer_every_frame_in_order(tiny_checkpoint, solo, user_au
     repository = tmp_path / "model_repository"
     shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
     model_configs.main(["--out", str(repository), "--set", "talker.send_threads=3", "--set", "code2wav.send_threads=3"])
-    other_audio = audio.read_wav(REPO_ROOT / "export" / "voice_prompts" / "NATM0.wav")
-    results = {}
     with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}) as server:
-        def talk(name, pcm, persona):
-            results[name] = stream_conversation(pcm, url=server.grpc_url, persona=persona)
-
-        threads = [
-            threading.Thread(target=talk, args=("a", user_audio, Persona(voice="NATF0", text_prompt=PROMPT, seed=1234))),
-            threading.Thread(target=talk, args=("b", other_audio, Persona(voice="NATM0", text_prompt="Be brief.", seed=7))),
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    a, b = results["a"], results["b"]
+        a, b, other_audio = two_conversations_at_once(server.grpc_url, user_audio)
     assert a.frames_received == FIVE_SECONDS and b.frames_received == len(audio.split_frames(other_audio))
     assert a.text_pieces == solo.text_pieces
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)

@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from personaplex_stream import Persona, new_sequence_id, stream_conversation
 from personaplex_stream.answers import AnswerCollector
 from personaplex_stream.connection import open_stream
@@ -291,8 +289,8 @@ def add_starts(row: dict, server_log: Path, go: float, end: float) -> None:
     starts = [s for s in logged if s["stage"] == "talker" and go <= s["at"] <= end]
     if starts:
         pieces, wholes = [s["longest_ms"] for s in starts], [s["ms"] for s in starts]
-        row["starts"] = {"count": len(starts), "longest_piece_ms_p50": round(float(np.median(pieces)), 1),
-                         "longest_piece_ms_max": max(pieces), "ms_p50": round(float(np.median(wholes)), 1),
+        row["starts"] = {"count": len(starts), "longest_piece_ms_p50": stats.percentiles(pieces, (50,))["p50"],
+                         "longest_piece_ms_max": max(pieces), "ms_p50": stats.percentiles(wholes, (50,))["p50"],
                          "ms_max": max(wholes)}
 
 

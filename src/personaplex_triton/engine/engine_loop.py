@@ -95,7 +95,7 @@ class EngineLoop(threading.Thread):
             owed = [done for conv in [c for c in table.all if c.closable]
                     for done in table.release(conv, self.stage.stop)]
             starting = table.take_starting()
-            for conv in starting:
+            for conv in starting:  # until its start is done (_finish_start): no tick carries it
                 conv.starting = True
         for done in owed:
             finish(self.name, done, None)
@@ -148,10 +148,8 @@ class EngineLoop(threading.Thread):
         reset of the model for all): in pieces where the stage has `begin_starts`, else at once."""
         setups = {conv.slot: conv.setup for conv in starting}
         begin = getattr(self.stage, "begin_starts", None)
-        try:
-            job = begin(setups) if begin is not None else StartJob.at_once(self.stage.start_many, setups)
-        except Exception as exc:  # a bad persona must not take the engine down
-            job = StartJob.at_once(lambda _, exc=exc: {slot: exc for slot in setups}, setups)
+        # Beginning does no work (a job's pieces run in `_advance_starts`, which takes their failures).
+        job = begin(setups) if begin is not None else StartJob.at_once(self.stage.start_many, setups)
         self._starts.append(_Start(starting, job, time.perf_counter()))
 
     def _advance_starts(self) -> None:

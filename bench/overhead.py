@@ -16,20 +16,21 @@ import time
 import numpy as np
 
 from personaplex_stream import Persona, stream_conversation
+from personaplex_stream.contract import MODEL_NAME
 from personaplex_triton.core import contract
-from personaplex_triton.serving.serving import Code2WavService, TalkerService, pick_device
+from personaplex_triton.serving.serving import pick_device
+from personaplex_triton.serving.speech import SpeechService
 
 from . import stats
 from .workload import persona_arrays
 
 
 class InProcessPipeline:
-    """TalkerService feeding Code2WavService as the ensemble does; frames in, audio out."""
+    """The two services chained in this process (`SpeechService`, as the `speech` model runs
+    them); frames in, audio out."""
 
     def __init__(self, talker_slots: int, code2wav_slots: int, checkpoint: str):
-        device = pick_device()
-        self.talker = TalkerService(checkpoint, talker_slots, device)
-        self.code2wav = Code2WavService(checkpoint, code2wav_slots, device)
+        self.service = SpeechService(checkpoint, talker_slots, pick_device(), code2wav_slots)
         self._answers: queue.Queue = queue.Queue()
         self._next_id = 1
 
@@ -42,7 +43,9 @@ class InProcessPipeline:
             if i == 0:
                 arrays.update(persona_arrays(persona))
             sent = time.perf_counter()
-            self.talker.handle(conversation, i == 0, i == len(frames) - 1, arrays, self._to_code2wav, self._failed)
+            self.service.handle(conversation, i == 0, i == len(frames) - 1, arrays,
+                                lambda _audio, _last: self._answers.put(("audio", time.perf_counter())),
+                                self._failed)
             try:
                 kind, value = self._answers.get(timeout=timeout_s)
             except queue.Empty:
@@ -52,21 +55,16 @@ class InProcessPipeline:
             latencies.append((value - sent) * 1000.0)
         return latencies
 
-    def _to_code2wav(self, seam_outputs: dict, _last: bool) -> None:
-        self.code2wav.handle(seam_outputs, lambda _audio, _last: self._answers.put(("audio", time.perf_counter())),
-                             self._failed)
-
     def _failed(self, error: str | None) -> None:
         if error is not None:
             self._answers.put(("error", error))
 
     def close(self) -> None:
-        self.talker.close()
-        self.code2wav.close()
+        self.service.close()
 
 
 def compare(url: str, frames: np.ndarray, persona: Persona, talker_slots: int, code2wav_slots: int,
-            checkpoint: str, log, rounds: int = 3) -> dict:
+            checkpoint: str, log, rounds: int = 3, model: str = MODEL_NAME) -> dict:
     """Per-frame latency in-process and through Triton (ms): p50 / p95 over every round, the
     difference of the medians, and that difference per round.
 
@@ -81,11 +79,12 @@ def compare(url: str, frames: np.ndarray, persona: Persona, talker_slots: int, c
     local, served, differences = [], [], []
     try:
         pipeline.conversation(frames[:2], persona)
-        stream_conversation(frames[:2].reshape(-1), url=url, persona=persona, max_in_flight=1, check_ready=False)
+        stream_conversation(frames[:2].reshape(-1), url=url, model_name=model, persona=persona, max_in_flight=1,
+                            check_ready=False)
         for r in range(rounds):
             log(f"[overhead] round {r + 1}/{rounds}: {len(frames)} frames in this process, then through Triton")
             here = pipeline.conversation(frames, persona)
-            there = stream_conversation(frames.reshape(-1), url=url, persona=persona, max_in_flight=1,
+            there = stream_conversation(frames.reshape(-1), url=url, model_name=model, persona=persona, max_in_flight=1,
                                         check_ready=False).latencies_ms
             differences.append(round(float(np.median(there) - np.median(here)), 1))
             local += here

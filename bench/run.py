@@ -6,6 +6,7 @@ server's overhead over the library in-process. One command, on any server it can
     python -m bench.run --stages load --conversations 1 8 32 64 --seconds 10
     python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 240 --persona-every 30
     python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 30 --aged-context 2500
+    python -m bench.run --model speech           # both stages in one stub (model_repository_one_stub)
 
 Writes <out>/<YYYY-MM-DD>-<machine>.md (tables), .json (figures) and -load.png /
 -perf-analyzer.png (plots), and prints the tables. `make bench` installs what it needs first.
@@ -24,7 +25,7 @@ import numpy as np
 
 from personaplex_stream import stream_conversation
 from personaplex_triton.core.loaders import checkpoint_spec
-from personaplex_triton.core.paths import REPO_ROOT
+from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY, REPO_ROOT
 from personaplex_triton.core.trace import TRACE_DIR_ENV
 from personaplex_triton.serving.launch import TritonServer
 
@@ -32,6 +33,7 @@ from . import loadgen, overhead, perf_analyzer, report, stats
 from .workload import PERSONA, frames as user_frames
 
 STAGES = ("perf-analyzer", "load", "overhead")
+SERVED = {"ensemble": MODEL_REPOSITORY, "speech": ONE_STUB_REPOSITORY}  # the served models, and their repositories
 RESULTS = REPO_ROOT / "bench" / "results"
 
 
@@ -42,6 +44,9 @@ def log(message: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="gRPC host:port of a running server; default: start one on free ports")
+    parser.add_argument("--model", choices=SERVED, default="ensemble",
+                        help="the served model: the ensemble of the two stages, or speech (both in one stub); "
+                             "without --url, the server starts on its repository")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--server-log", type=Path,
                         help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
@@ -93,10 +98,11 @@ def main(argv=None) -> int:
     if args.url:
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
                       server_log=args.server_log)
-    log("[server] starting tritonserver on model_repository")
+    repository = SERVED[args.model]
+    log(f"[server] starting tritonserver on {repository.name}")
     args.out.mkdir(parents=True, exist_ok=True)
     env = {TRACE_DIR_ENV: str(args.trace_dir)} if args.trace_dir else {}
-    with TritonServer(env=env, log_path=args.out / "tritonserver.log") as server:
+    with TritonServer(repository, env=env, log_path=args.out / "tritonserver.log") as server:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
         return _bench(args, server.grpc_url, where, started, clock, local=True,
@@ -104,7 +110,7 @@ def main(argv=None) -> int:
 
 
 def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None) -> int:
-    info = report.server_info(url, server_log)
+    info = report.server_info(url, server_log, args.model)
     slots = info["talker"]["max_conversations"]  # None: auto, on a server whose log is not at hand
     if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
         raise SystemExit(f"--pa-concurrency {max(args.pa_concurrency)}: the server's talker has {slots} "
@@ -122,7 +128,8 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
               "command": args.command,
               "machine": machine, "server": where, "triton_version": info["triton_version"],
               "checkpoint": checkpoint, "talker": info["talker"], "code2wav": info["code2wav"],
-              "commit": args.commit or report.git_commit(), "load_average_start": round(os.getloadavg()[0], 2),
+              "served_model": args.model, "commit": args.commit or report.git_commit(),
+              "load_average_start": round(os.getloadavg()[0], 2),
               "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt},
               "conversation_s": round(args.frames * stats.FRAME_MS / 1000, 2),
               "aged_context_frames": args.aged_context, "new_persona": args.new_persona,
@@ -134,7 +141,8 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
                                                          if args.aged_context else ""))
 
     log("[warm-up] the persona's first conversation (its prefill, unless the server knows it)")
-    warm = stream_conversation(user_frames(2).reshape(-1), url=url, persona=PERSONA, max_in_flight=1)
+    warm = stream_conversation(user_frames(2).reshape(-1), url=url, model_name=args.model, persona=PERSONA,
+                               max_in_flight=1)
     result["first_audio_new_persona_ms"] = round(warm.first_audio_ms, 1)
     log(f"  first audio after {warm.first_audio_ms:.0f} ms")
 
@@ -142,14 +150,14 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
         result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib,
-                                       server_log=server_log)
+                                       server_log=server_log, model=args.model)
         result["largest_held"] = stats.largest_held(result["load"])
     if "perf-analyzer" in args.stages:
-        result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)
+        result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency, args.model)
     if "overhead" in args.stages:
         result["overhead"] = overhead.compare(url, user_frames(args.overhead_frames), PERSONA, slots,
                                               info["code2wav"]["max_conversations"], local_checkpoint, log,
-                                              args.overhead_rounds)
+                                              args.overhead_rounds, args.model)
         result["overhead"]["in_process_checkpoint"] = report.checkpoint_label(local_checkpoint)
         log(f"  Triton adds {result['overhead']['overhead_ms_p50']} ms per frame (medians)")
 
@@ -179,12 +187,12 @@ def result_stem(header: dict, name: str) -> str:
     return f"{header['date']}-{name}" + (f"-aged{aged}" if aged else "")
 
 
-def _perf_analyzer(url: str, frames: np.ndarray, levels: list[int]) -> list[dict]:
+def _perf_analyzer(url: str, frames: np.ndarray, levels: list[int], model: str) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="perf_analyzer-") as workdir:
         for c in levels:
             log(f"[perf_analyzer] concurrency {c}: {c} sequence(s) of {len(frames)} frames")
-            found = perf_analyzer.run(url, c, frames, PERSONA, Path(workdir), log)
+            found = perf_analyzer.run(url, c, frames, PERSONA, Path(workdir), log, model=model)
             rows.append(perf_analyzer.summary(c, found))
             r = rows[-1]
             log(f"  frame p50 {r['p50']} ms, p99 {r['p99']} ms, first response p50 {r['first_response_ms_p50']} ms")

@@ -24,9 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..core import contract, seam
-from ..core.paths import MODEL_REPOSITORY
+from ..core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 
-MODELS = ("talker", "code2wav", "ensemble")
+# Each repository's models: the two stages chained by an ensemble (the default), or both stages
+# in one Python stub (`speech`, serving/speech.py), which a frame crosses into and out of once.
+REPOSITORIES = {MODEL_REPOSITORY: ("talker", "code2wav", "ensemble"), ONE_STUB_REPOSITORY: ("speech",)}
 PBTXT_TYPES = {"FP32": "TYPE_FP32", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64",
                "BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
 # A sequence that sends nothing for this long loses its place in the sequence batcher.
@@ -85,6 +87,9 @@ PARAMETERS = {
         CHECKPOINT, DEVICE, MIMI_RUNTIME, SEND_THREADS,
     ),
 }
+# `speech` takes the talker's parameters (its send threads send the audio) and code2wav's pool.
+PARAMETERS["speech"] = PARAMETERS["talker"] + (
+    Parameter("decoder_conversations", "auto", "code2wav's conversation slots: auto: 8 on a CPU, 192 on a GPU."),)
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,13 @@ def code2wav_config(instances: Instances = Instances(), parameters=PARAMETERS["c
     return _stage("code2wav", header, seam.TENSORS, contract.OUTPUTS, instances, parameters)
 
 
+def speech_config(instances: Instances = Instances(), parameters=PARAMETERS["speech"]) -> str:
+    header = ("# The served model with both stages in one Python stub: the talker's frames go to code2wav\n"
+              "# in-process (serving/speech.py). Same contract as the ensemble: user audio frames in,\n"
+              "# agent audio + text out, one response per frame; a conversation is a sequence.\n")
+    return _stage("speech", header, contract.INPUTS, contract.OUTPUTS, instances, parameters)
+
+
 def ensemble_config() -> str:
     def maps(kind: str, pairs) -> list[str]:
         return [f'      {kind} {{ key: "{key}" value: "{value}" }}' for key, value in pairs]
@@ -177,29 +189,39 @@ def configs(instances: Instances = Instances(), overrides: dict | None = None) -
         raise KeyError(f"no such model parameter: {', '.join(sorted(overrides))}")
     return {"talker": talker_config(instances, parameters["talker"]),
             "code2wav": code2wav_config(instances, parameters["code2wav"]),
-            "ensemble": ensemble_config()}
+            "ensemble": ensemble_config(),
+            "speech": speech_config(instances, parameters["speech"])}
 
 
-def write(model_repository: Path, instances: Instances = Instances(), overrides: dict | None = None) -> list[Path]:
-    """Writes each model's config.pbtxt under `model_repository`; elsewhere than this repository's
-    own, with a copy of its model versions (the `1/model.py` adapters)."""
+def write(model_repository: Path, instances: Instances = Instances(), overrides: dict | None = None,
+          one_stub: bool = False) -> list[Path]:
+    """Writes the config.pbtxt of each model of one repository (`one_stub`: the `speech` model's)
+    under `model_repository`; elsewhere than this repository's own, with a copy of its model
+    versions (the `1/model.py` adapters)."""
+    home = ONE_STUB_REPOSITORY if one_stub else MODEL_REPOSITORY
+    texts = configs(instances, overrides)
     paths = []
-    for model, text in configs(instances, overrides).items():
+    for model in REPOSITORIES[home]:
         folder = model_repository / model
-        if folder.resolve() != (MODEL_REPOSITORY / model).resolve():
-            shutil.copytree(MODEL_REPOSITORY / model, folder, dirs_exist_ok=True,
+        if folder.resolve() != (home / model).resolve():
+            shutil.copytree(home / model, folder, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.pbtxt").write_text(text)
+        (folder / "config.pbtxt").write_text(texts[model])
         paths.append(folder / "config.pbtxt")
     return paths
 
 
-def stale(model_repository: Path = MODEL_REPOSITORY) -> list[str]:
-    """Models whose config.pbtxt differs from the default output."""
-    return [model for model, text in configs().items()
-            if not (model_repository / model / "config.pbtxt").is_file()
-            or (model_repository / model / "config.pbtxt").read_text() != text]
+def stale(model_repository: Path | None = None) -> list[str]:
+    """Models whose config.pbtxt differs from the default output: of `model_repository` (the
+    models it holds), else of this repository's own two."""
+    texts = configs()
+    if model_repository is None:
+        folders = [home / model for home, models in REPOSITORIES.items() for model in models]
+    else:
+        folders = [model_repository / model for model in texts if (model_repository / model).is_dir()]
+    return [folder.name for folder in folders
+            if not (folder / "config.pbtxt").is_file() or (folder / "config.pbtxt").read_text() != texts[folder.name]]
 
 
 def instances_from_args(gpus: str | None, cpu_instances: int) -> Instances:
@@ -210,8 +232,11 @@ def instances_from_args(gpus: str | None, cpu_instances: int) -> Instances:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=MODEL_REPOSITORY, help="model repository to write into")
-    parser.add_argument("--check", action="store_true", help="compare model_repository with the output; write nothing")
+    parser.add_argument("--out", type=Path, help="model repository to write into (default: this repository's own)")
+    parser.add_argument("--one-stub", action="store_true",
+                        help="write the `speech` model (both stages in one stub) instead of talker, code2wav, ensemble")
+    parser.add_argument("--check", action="store_true",
+                        help="compare the committed model repositories with the output; write nothing")
     parser.add_argument("--gpus", help='"all", or GPU indices "0,1": one instance of each stage per GPU')
     parser.add_argument("--cpu-instances", type=int, default=1, help="instances of each stage on the CPU")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
@@ -220,11 +245,16 @@ def main(argv=None) -> int:
     if args.check:
         differ = stale(args.out)
         for model in differ:
-            print(f"{args.out / model / 'config.pbtxt'} differs from the contract: "
+            print(f"{model}/config.pbtxt differs from the contract: "
                   "run python -m personaplex_triton.serving.model_configs", file=sys.stderr)
         return 1 if differ else 0
     overrides = dict(item.split("=", 1) for item in args.set)
-    for path in write(args.out, instances_from_args(args.gpus, args.cpu_instances), overrides):
+    instances = instances_from_args(args.gpus, args.cpu_instances)
+    if args.out is not None:
+        written = write(args.out, instances, overrides, args.one_stub)
+    else:  # this repository's own: both of them
+        written = [path for home in REPOSITORIES for path in write(home, instances, overrides, home == ONE_STUB_REPOSITORY)]
+    for path in written:
         print(path)
     return 0
 

@@ -1,0 +1,128 @@
+"""Both stages in one process (serving/speech.py): a request's answers gathered from the two
+stages, and the service against the stages stepped by hand."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from personaplex_triton.core import audio, contract
+from personaplex_triton.serving.speech import RequestAnswers, SpeechService
+
+
+class Client:
+    """What a request's send and finish were called with, in order."""
+
+    def __init__(self):
+        self.calls = []
+        self.done = threading.Event()
+
+    def send(self, outputs, last):
+        assert not self.done.is_set(), "a send after the request finished"
+        self.calls.append(("audio", outputs["n"], last))
+
+    def finish(self, error):
+        assert not self.done.is_set(), "finished twice"
+        self.calls.append(("finish", error))
+        self.done.set()
+
+
+def test_the_request_finishes_once_code2wav_has_answered_every_frame():
+    client = Client()
+    answers = RequestAnswers(client.send, client.finish)
+    assert answers.frame_to_code2wav() and answers.frame_to_code2wav()
+    answers.talker_done(None)  # the talker is done before code2wav has answered
+    assert not client.done.is_set()
+    answers.audio({"n": 0}, False)
+    answers.code2wav_done(None)
+    answers.audio({"n": 1}, True)
+    assert not client.done.is_set()
+    answers.code2wav_done(None)
+    assert client.calls == [("audio", 0, False), ("audio", 1, True), ("finish", None)]
+
+
+def test_a_talker_error_comes_after_the_audio_of_the_frames_before_it():
+    client = Client()
+    answers = RequestAnswers(client.send, client.finish)
+    assert answers.frame_to_code2wav()
+    answers.talker_done("conversation 5: the step failed")
+    answers.audio({"n": 0}, False)
+    answers.code2wav_done(None)
+    assert client.calls == [("audio", 0, False), ("finish", "conversation 5: the step failed")]
+
+
+def test_a_code2wav_error_ends_the_request_once_and_drops_the_frames_after_it():
+    client = Client()
+    answers = RequestAnswers(client.send, client.finish)
+    assert answers.frame_to_code2wav() and answers.frame_to_code2wav()
+    answers.code2wav_done("frame 3 of conversation 5 was lost")
+    assert client.calls == [("finish", "code2wav: frame 3 of conversation 5 was lost")]  # before the talker is done
+    answers.audio({"n": 1}, False)         # the other frame's audio: dropped
+    answers.code2wav_done(None)
+    assert not answers.frame_to_code2wav()  # the talker's later frames are not sent on
+    answers.talker_done(None)
+    assert len(client.calls) == 1
+
+
+@pytest.fixture(scope="module")
+def speech(tiny_checkpoint):
+    service = SpeechService(str(tiny_checkpoint), max_conversations=2, decoder_conversations=4, warm_personas="")
+    yield service
+    service.close()
+
+
+def converse(service, conversation, pcm, arrays, frames_a_request=3):
+    """`pcm` through `service`, a few frames a request: its (audio, text pieces, errors)."""
+    frames = audio.split_frames(pcm)
+    pieces, texts, errors = [], [], []
+    for first in range(0, len(frames), frames_a_request):
+        chunk = frames[first:first + frames_a_request]
+        done = threading.Event()
+        inputs = {contract.AUDIO_IN: chunk.reshape(-1), **(arrays if first == 0 else {})}
+
+        def send(outputs, _last):
+            pieces.append(outputs[contract.AUDIO_OUT])
+            texts.append(outputs[contract.TEXT_OUT][0].decode())
+
+        service.handle(conversation, first == 0, first + len(chunk) == len(frames), inputs, send,
+                       lambda error, d=done: (errors.append(error), d.set()))
+        assert done.wait(120)
+    return np.concatenate(pieces), texts, errors
+
+
+def test_the_service_answers_what_the_stages_compute(speech, tiny_checkpoint):
+    """Every frame, in order, is what the talker and code2wav give when stepped by hand."""
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.stages.code2wav import CodesFrame
+    from personaplex_triton.stages.talker import TalkerSetup
+
+    pcm = np.random.default_rng(3).uniform(-0.3, 0.3, 7 * contract.FRAME_SAMPLES).astype(np.float32)
+    arrays = {contract.VOICE: np.array([b"NATF0"], np.object_), contract.SEED: np.array([42], np.int64)}
+    got_audio, got_text, errors = converse(speech, 5, pcm, arrays)
+    assert errors == [None, None, None] and len(got_text) == 7
+
+    talker, decoder = speech.talker.talker, speech.code2wav.decoder
+    persona = speech.talker.personas.persona("NATF0", "")
+    talker.start(0, TalkerSetup(persona, SamplingParams(seed=42)))
+    decoder.start(0)
+    expected_audio, expected_text = [], []
+    try:
+        for frame in audio.split_frames(pcm):
+            step = talker.tick({0: frame})[0]
+            expected_audio.append(decoder.tick({0: CodesFrame(step.codes)})[0])
+            expected_text.append(talker.text_piece(step.text_token))
+    finally:
+        talker.stop(0)
+        decoder.stop(0)
+    assert got_text == expected_text
+    np.testing.assert_allclose(got_audio, np.concatenate(expected_audio), atol=1e-5)
+
+
+def test_a_bad_request_gets_its_error_and_no_audio(speech):
+    errors, sent = [], []
+    speech.handle(6, True, True, {contract.AUDIO_IN: np.zeros(100, np.float32)},
+                  lambda outputs, last: sent.append(last), errors.append)
+    assert sent == [] and len(errors) == 1 and "whole number of 1920-sample frames" in errors[0]
+    speech.handle(7, False, True, {contract.AUDIO_IN: np.zeros(contract.FRAME_SAMPLES, np.float32)},
+                  lambda outputs, last: sent.append(last), errors.append)
+    assert sent == [] and "conversation 7 is not open" in errors[1]

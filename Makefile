@@ -90,9 +90,10 @@ browser-deps:
 	dpkg -s chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# model_repository/*/config.pbtxt from the wire contract (client/personaplex_stream/contract.py, seam.py); a test checks them.
+# Both model repositories' config.pbtxt from the wire contract (client/personaplex_stream/contract.py, seam.py); a test checks them.
 configs: venv
 	$(PY) -m personaplex_triton.serving.model_configs
+	$(PY) -m personaplex_triton.serving.model_configs --one-stub
 
 clean:
 	rm -rf out .pytest_cache

@@ -159,20 +159,20 @@ class Outcome:
         return [self.result.started_at + offset - go for offset in offsets]
 
 
-def _aged_conversation(frames, url: str, model: str, talk: Talk, arrive, start_line: StartLine, on_frame) -> tuple:
+def _aged_conversation(frames, url: str, talk: Talk, arrive, start_line: StartLine, on_frame) -> tuple:
     """One aged conversation of `frames` ([count, 1920]) on one stream (stream_conversation's
     steps, with AgedPacing): its ConversationResult and the unpaced part's seconds."""
     sequence_id = new_sequence_id()
-    answers = AnswerCollector(frames.shape[0], url, model, RESPONSE_TIMEOUT_S, on_frame)
-    with open_stream(url, model, answers.callback, check_ready=False) as client:
+    answers = AnswerCollector(frames.shape[0], url, MODEL_NAME, RESPONSE_TIMEOUT_S, on_frame)
+    with open_stream(url, MODEL_NAME, answers.callback, check_ready=False) as client:
         pacing = AgedPacing(answers, talk.aged, arrive, start_line)
-        _send_frames(client, frames, talk.persona, model, sequence_id, answers, pacing)
+        _send_frames(client, frames, talk.persona, MODEL_NAME, sequence_id, answers, pacing)
         answers.wait_until_answered(frames.shape[0])
     return answers.result(sequence_id), pacing.aged_s
 
 
-def conversations(url: str, talks: list[Talk], log: Log, model: str = MODEL_NAME) -> tuple[list[Outcome], float]:
-    """Every talk of a level at once (to the served `model`), each on its own thread and stream; their Outcomes in order
+def conversations(url: str, talks: list[Talk], log: Log) -> tuple[list[Outcome], float]:
+    """Every talk of a level at once, each on its own thread and stream; their Outcomes in order
     and the level's start (`go`, wall clock). The first conversation reports its progress."""
     line = StartLine(sum(t.aged > 0 for t in talks))
     outcomes = [Outcome(t) for t in talks]
@@ -195,10 +195,10 @@ def conversations(url: str, talks: list[Talk], log: Log, model: str = MODEL_NAME
         audio = speech[talk.aged + talk.frames]
         try:
             if talk.aged:
-                outcome.result, outcome.aged_s = _aged_conversation(audio, url, model, talk, arrive, line, on_frame)
+                outcome.result, outcome.aged_s = _aged_conversation(audio, url, talk, arrive, line, on_frame)
             else:
                 time.sleep(max(0.0, line.wait() + talk.start_s - time.time()))
-                outcome.result = stream_conversation(audio.reshape(-1), url=url, model_name=model, persona=talk.persona, realtime=True,
+                outcome.result = stream_conversation(audio.reshape(-1), url=url, persona=talk.persona, realtime=True,
                                                      response_timeout_s=RESPONSE_TIMEOUT_S, check_ready=False,
                                                      on_frame=on_frame)
         except Exception as exc:  # reported in the level's row, naming the conversation
@@ -311,8 +311,8 @@ def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go
 
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
           persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
-          trace_dir=None, gpu_memory=None, server_log: Path | None = None, model: str = MODEL_NAME) -> list[dict]:
-    """Each level in turn (to the served `model`), `frames` paced frames a conversation (plan() says who talks when).
+          trace_dir=None, gpu_memory=None, server_log: Path | None = None) -> list[dict]:
+    """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
     frames are followed through the stages and each stage's ticks counted, over the level and per
     window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level. Where
@@ -325,7 +325,7 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
             + (f", after {aged} frames unpaced" if aged else "")
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
         with gpu_telemetry.GpuTelemetry() as gpu:
-            outcomes, go = conversations(url, talks, log, model)
+            outcomes, go = conversations(url, talks, log)
         row = load_row(n, outcomes, go, pool)
         add_gpu_telemetry(row, gpu.samples, go)
         served = [o for o in outcomes if o.error is None]

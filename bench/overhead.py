@@ -16,7 +16,6 @@ import time
 import numpy as np
 
 from personaplex_stream import Persona, stream_conversation
-from personaplex_stream.contract import MODEL_NAME
 from personaplex_triton.core import contract
 from personaplex_triton.serving.serving import pick_device
 from personaplex_triton.serving.speech import SpeechService
@@ -26,8 +25,8 @@ from .workload import persona_arrays
 
 
 class InProcessPipeline:
-    """The two services chained in this process (`SpeechService`, as the `speech` model runs
-    them); frames in, audio out."""
+    """The two services chained in this process (`SpeechService`, as the one-stub repository's
+    `speech` model runs them); frames in, audio out."""
 
     def __init__(self, talker_slots: int, code2wav_slots: int, checkpoint: str):
         self.service = SpeechService(checkpoint, talker_slots, pick_device(), code2wav_slots)
@@ -64,7 +63,7 @@ class InProcessPipeline:
 
 
 def compare(url: str, frames: np.ndarray, persona: Persona, talker_slots: int, code2wav_slots: int,
-            checkpoint: str, log, rounds: int = 3, model: str = MODEL_NAME) -> dict:
+            checkpoint: str, log, rounds: int = 3) -> dict:
     """Per-frame latency in-process and through Triton (ms): p50 / p95 over every round, the
     difference of the medians, and that difference per round.
 
@@ -79,12 +78,11 @@ def compare(url: str, frames: np.ndarray, persona: Persona, talker_slots: int, c
     local, served, differences = [], [], []
     try:
         pipeline.conversation(frames[:2], persona)
-        stream_conversation(frames[:2].reshape(-1), url=url, model_name=model, persona=persona, max_in_flight=1,
-                            check_ready=False)
+        stream_conversation(frames[:2].reshape(-1), url=url, persona=persona, max_in_flight=1, check_ready=False)
         for r in range(rounds):
             log(f"[overhead] round {r + 1}/{rounds}: {len(frames)} frames in this process, then through Triton")
             here = pipeline.conversation(frames, persona)
-            there = stream_conversation(frames.reshape(-1), url=url, model_name=model, persona=persona, max_in_flight=1,
+            there = stream_conversation(frames.reshape(-1), url=url, persona=persona, max_in_flight=1,
                                         check_ready=False).latencies_ms
             differences.append(round(float(np.median(there) - np.median(here)), 1))
             local += here

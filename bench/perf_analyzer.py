@@ -96,13 +96,13 @@ def command(url: str, concurrency: int, sequence_frames: int, data_path: Path, e
 
 
 def run(url: str, concurrency: int, frames: np.ndarray, persona: Persona, workdir: Path,
-        log=print, timeout_s: float = 600, model: str = contract.MODEL_NAME) -> dict:
+        log=print, timeout_s: float = 600) -> dict:
     """One perf_analyzer run; its profile export parsed (see `parse_profile`), one experiment."""
     workdir.mkdir(parents=True, exist_ok=True)
     data_path = workdir / "input_data.json"
     data_path.write_text(json.dumps(input_data(frames, persona)))
     export_path = workdir / f"profile_export_c{concurrency}.json"
-    argv = command(url, concurrency, len(frames), data_path, export_path, model)
+    argv = command(url, concurrency, len(frames), data_path, export_path)
     for attempt in (1, 2):
         export_path.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite an export
         try:

@@ -50,18 +50,19 @@ def mimi_runtimes_in_log(server_log: Path) -> dict[str, str]:
     return dict(found)
 
 
-def server_info(url: str, server_log: Path | None = None, served: str = "ensemble") -> dict:
-    """What the server says of itself: Triton version, the `served` model, and per stage its
-    config parameters (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype),
-    from the stage's model, or for `speech` (both stages in one) from that one's. With the
-    server's log at hand, the Mimi runtime is the one each stage says it runs ("auto: onnxruntime")."""
+def server_info(url: str, server_log: Path | None = None) -> dict:
+    """What the server says of itself: Triton version, whether it runs both stages in one stub
+    (`one_stub`: the `speech` model of model_repository_one_stub), and per stage its config
+    parameters (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype), from the
+    stage's model or from `speech`. With the server's log at hand, the Mimi runtime is the one
+    each stage says it runs ("auto: onnxruntime")."""
     client = grpcclient.InferenceServerClient(url=url)
     log = Path(server_log).read_text(errors="replace") if server_log is not None else ""
     running = mimi_runtimes_in_log(server_log) if server_log is not None else {}
     slots = slots_in_log(log)
     try:
-        info = {"triton_version": client.get_server_metadata().version}
-        one_stub = params_of(client, served) if served == "speech" else None
+        one_stub = params_of(client, "speech") if client.is_model_ready("speech") else None
+        info = {"triton_version": client.get_server_metadata().version, "one_stub": one_stub is not None}
         for model in ("talker", "code2wav"):
             params = params_of(client, model) if one_stub is None else one_stub
             runtime = params.get("mimi_runtime", "")
@@ -160,12 +161,12 @@ def markdown(result: dict) -> str:
     h = result["header"]
     m = h["machine"]
     gpus = ", ".join(m["gpus"]) or "no GPU"
-    served = h.get("served_model", "ensemble")  # results from before --model: the ensemble's
+    stages = ("both stages in one Python stub (`speech`, model_repository_one_stub)" if h.get("one_stub")
+              else "the stages as two models (model_repository)")
     lines = [f"# PersonaPlex on Triton: benchmark of {h['date']}", "",
              f"- Command: `{h['command']}`",
              f"- Bench machine: {m['cpu']}, {m['cores']} cores, {gpus}",
-             f"- Server: {h['server']}, Triton {h['triton_version']}, model `{served}`"
-             + (" (both stages in one Python stub)" if served == "speech" else ""),
+             f"- Server: {h['server']}, Triton {h['triton_version']}; {stages}",
              f"- Checkpoint: {h['checkpoint']}",
              f"- Mimi runtime: talker {h['talker']['mimi_runtime']}, code2wav {h['code2wav']['mimi_runtime']}; "
              f"device {h['talker']['device']}; pool sizes talker {h['talker']['max_conversations']}, "
@@ -185,7 +186,7 @@ def markdown(result: dict) -> str:
         lines += _load_section(result)
     if "perf_analyzer" in result:
         lines += ["## perf_analyzer", "",
-                  f"`perf_analyzer` on `{served}`, gRPC `--streaming`, `--serial-sequences` (one frame in flight "
+                  "`perf_analyzer` on `ensemble`, gRPC `--streaming`, `--serial-sequences` (one frame in flight "
                   "per sequence, sent as soon as the last one is answered), one whole sequence per concurrent "
                   "slot; latencies from the per-response timestamps of `--profile-export-file`.", "",
                   "| concurrency | sequences | frames | frame p50 (ms) | frame p95 (ms) | frame p99 (ms) "
@@ -205,7 +206,7 @@ def markdown(result: dict) -> str:
                   "with the same persona and seed.", "",
                   "| path | frame p50 (ms) | frame p95 (ms) |", "| --- | ---: | ---: |",
                   f"| in process | {o['in_process_ms']['p50']} | {o['in_process_ms']['p95']} |",
-                  f"| Triton (gRPC, {served}) | {o['triton_ms']['p50']} | {o['triton_ms']['p95']} |", "",
+                  f"| Triton (gRPC, ensemble) | {o['triton_ms']['p50']} | {o['triton_ms']['p95']} |", "",
                   f"Triton adds **{o['overhead_ms_p50']} ms** per frame (difference of the medians; per round: "
                   f"{', '.join(f'{d} ms' for d in o['overhead_ms_per_round'])}).", ""]
     for plot in result.get("plots", []):

@@ -6,7 +6,7 @@ server's overhead over the library in-process. One command, on any server it can
     python -m bench.run --stages load --conversations 1 8 32 64 --seconds 10
     python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 240 --persona-every 30
     python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 30 --aged-context 2500
-    python -m bench.run --model speech           # both stages in one stub (model_repository_one_stub)
+    python -m bench.run --one-stub               # starts it on model_repository_one_stub (both stages in one stub)
 
 Writes <out>/<YYYY-MM-DD>-<machine>.md (tables), .json (figures) and -load.png /
 -perf-analyzer.png (plots), and prints the tables. `make bench` installs what it needs first.
@@ -33,7 +33,6 @@ from . import loadgen, overhead, perf_analyzer, report, stats
 from .workload import PERSONA, frames as user_frames
 
 STAGES = ("perf-analyzer", "load", "overhead")
-SERVED = {"ensemble": MODEL_REPOSITORY, "speech": ONE_STUB_REPOSITORY}  # the served models, and their repositories
 RESULTS = REPO_ROOT / "bench" / "results"
 
 
@@ -44,9 +43,9 @@ def log(message: str) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="gRPC host:port of a running server; default: start one on free ports")
-    parser.add_argument("--model", choices=SERVED, default="ensemble",
-                        help="the served model: the ensemble of the two stages, or speech (both in one stub); "
-                             "without --url, the server starts on its repository")
+    parser.add_argument("--one-stub", action="store_true",
+                        help="without --url: start the server on model_repository_one_stub (both stages in one "
+                             "Python stub) instead of model_repository")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--server-log", type=Path,
                         help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
@@ -98,7 +97,7 @@ def main(argv=None) -> int:
     if args.url:
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
                       server_log=args.server_log)
-    repository = SERVED[args.model]
+    repository = ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY
     log(f"[server] starting tritonserver on {repository.name}")
     args.out.mkdir(parents=True, exist_ok=True)
     env = {TRACE_DIR_ENV: str(args.trace_dir)} if args.trace_dir else {}
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
 
 
 def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None) -> int:
-    info = report.server_info(url, server_log, args.model)
+    info = report.server_info(url, server_log)
     slots = info["talker"]["max_conversations"]  # None: auto, on a server whose log is not at hand
     if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
         raise SystemExit(f"--pa-concurrency {max(args.pa_concurrency)}: the server's talker has {slots} "
@@ -128,7 +127,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
               "command": args.command,
               "machine": machine, "server": where, "triton_version": info["triton_version"],
               "checkpoint": checkpoint, "talker": info["talker"], "code2wav": info["code2wav"],
-              "served_model": args.model, "commit": args.commit or report.git_commit(),
+              "one_stub": info["one_stub"], "commit": args.commit or report.git_commit(),
               "load_average_start": round(os.getloadavg()[0], 2),
               "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt},
               "conversation_s": round(args.frames * stats.FRAME_MS / 1000, 2),
@@ -141,8 +140,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
                                                          if args.aged_context else ""))
 
     log("[warm-up] the persona's first conversation (its prefill, unless the server knows it)")
-    warm = stream_conversation(user_frames(2).reshape(-1), url=url, model_name=args.model, persona=PERSONA,
-                               max_in_flight=1)
+    warm = stream_conversation(user_frames(2).reshape(-1), url=url, persona=PERSONA, max_in_flight=1)
     result["first_audio_new_persona_ms"] = round(warm.first_audio_ms, 1)
     log(f"  first audio after {warm.first_audio_ms:.0f} ms")
 
@@ -150,14 +148,14 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
         result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib,
-                                       server_log=server_log, model=args.model)
+                                       server_log=server_log)
         result["largest_held"] = stats.largest_held(result["load"])
     if "perf-analyzer" in args.stages:
-        result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency, args.model)
+        result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)
     if "overhead" in args.stages:
         result["overhead"] = overhead.compare(url, user_frames(args.overhead_frames), PERSONA, slots,
                                               info["code2wav"]["max_conversations"], local_checkpoint, log,
-                                              args.overhead_rounds, args.model)
+                                              args.overhead_rounds)
         result["overhead"]["in_process_checkpoint"] = report.checkpoint_label(local_checkpoint)
         log(f"  Triton adds {result['overhead']['overhead_ms_p50']} ms per frame (medians)")
 
@@ -187,12 +185,12 @@ def result_stem(header: dict, name: str) -> str:
     return f"{header['date']}-{name}" + (f"-aged{aged}" if aged else "")
 
 
-def _perf_analyzer(url: str, frames: np.ndarray, levels: list[int], model: str) -> list[dict]:
+def _perf_analyzer(url: str, frames: np.ndarray, levels: list[int]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="perf_analyzer-") as workdir:
         for c in levels:
             log(f"[perf_analyzer] concurrency {c}: {c} sequence(s) of {len(frames)} frames")
-            found = perf_analyzer.run(url, c, frames, PERSONA, Path(workdir), log, model=model)
+            found = perf_analyzer.run(url, c, frames, PERSONA, Path(workdir), log)
             rows.append(perf_analyzer.summary(c, found))
             r = rows[-1]
             log(f"  frame p50 {r['p50']} ms, p99 {r['p99']} ms, first response p50 {r['first_response_ms_p50']} ms")

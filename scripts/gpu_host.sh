@@ -12,9 +12,10 @@
 #   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
 #   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
 #   scripts/gpu_host.sh test-library # there, part2 only: the library's GPU tests (tests/test_gpu.py)
-#   scripts/gpu_host.sh serve [--set MODEL.KEY=VALUE ...]  # there: tritonserver in the background,
-#                                    # until ready (--set: on a copy of the model repository with those
-#                                    # parameters, e.g. --set talker.kv_dtype=float8_e4m3fn)
+#   scripts/gpu_host.sh serve [--one-stub] [--set MODEL.KEY=VALUE ...]  # there: tritonserver in the
+#                                    # background, until ready (--set: on a copy of the model repository with
+#                                    # those parameters, e.g. --set talker.kv_dtype=float8_e4m3fn; --one-stub:
+#                                    # model_repository_one_stub, both stages in one stub)
 #   scripts/gpu_host.sh bench [ARG]  # there, against it: the load sweep, then perf_analyzer (ARG: --out DIR)
 #   scripts/gpu_host.sh bench-long N SECONDS [ARG...]  # there, against it: N conversations of SECONDS
 #                                    # each (240: contexts reach 3,000 frames; 300: past the limit), a new
@@ -135,12 +136,16 @@ serve() {
     if ready; then echo "already serving"; return; fi
     local started=$SECONDS
     rm -rf "$TRACE_DIR"
-    local launch=()
-    if (( $# )); then
-        rm -rf "$HOST/model_repository"
-        cp -r model_repository "$HOST/model_repository"
-        python -m personaplex_triton.serving.model_configs --out "$HOST/model_repository" "$@" > /dev/null
-        launch=(--model-repository "$ROOT/$HOST/model_repository")
+    local launch=() repository=model_repository configs=()
+    if [[ ${1:-} == --one-stub ]]; then  # model_repository_one_stub: both stages in one stub
+        repository=model_repository_one_stub configs=(--one-stub)
+        shift
+    fi
+    if (( $# )) || [[ $repository != model_repository ]]; then
+        rm -rf "${HOST:?}/$repository"
+        cp -r "$repository" "$HOST/$repository"
+        python -m personaplex_triton.serving.model_configs --out "$HOST/$repository" "${configs[@]}" "$@" > /dev/null
+        launch=(--model-repository "$ROOT/$HOST/$repository")
     fi
     PERSONAPLEX_TRACE_DIR=$TRACE_DIR setsid python -m personaplex_triton.serving.launch "${launch[@]}" \
         > "$HOST/tritonserver.log" 2>&1 < /dev/null &

@@ -1,7 +1,8 @@
 """The fault suite, against a real `tritonserver`: malformed and over-limit requests, internal
 faults injected next to a healthy conversation, a vanished client, the metrics, a killed stub
 process, and SIGTERM with conversations open. Each healthy conversation must lose nothing: it is compared frame by
-frame with the same conversation run alone."""
+frame with the same conversation run alone. Every test runs against both model repositories:
+the two stages in two stubs, and both in one (`speech`)."""
 
 import os
 import re
@@ -20,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from personaplex_stream import Persona, ServerError, is_final_response, stream_conversation
 from personaplex_triton.core import contract, loaders
 from personaplex_triton.core.metrics import scrape
-from personaplex_triton.core.paths import MODEL_REPOSITORY
+from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 from personaplex_triton.serving import health
 from personaplex_triton.serving.launch import TritonServer, child_processes
 from triton_requests import raw_request, tensor, voice_input
@@ -31,15 +32,19 @@ IDLE_TIMEOUT_S = 10  # long enough for a slow client between two requests on a b
 FAULTS = {"tick": 7001, "flaky-tick": 7002, "send": 7003}
 HEALTHY = Persona(voice="NATF0", text_prompt="Be kind.", seed=5)
 FRAME = np.zeros(contract.FRAME_SAMPLES, np.float32)
+# The model repositories, each with its models that run in a Python stub, the talker's first.
+REPOSITORIES = {"two-stubs": (MODEL_REPOSITORY, ("talker", "code2wav")), "one-stub": (ONE_STUB_REPOSITORY, ("speech",))}
 
 
-@pytest.fixture(scope="module")
-def faulty(tiny_checkpoint, tmp_path_factory):
-    """A server whose talker closes idle conversations after IDLE_TIMEOUT_S and injects the FAULTS."""
+@pytest.fixture(scope="module", params=REPOSITORIES)
+def faulty(request, tiny_checkpoint, tmp_path_factory):
+    """A server whose talker closes idle conversations after IDLE_TIMEOUT_S and injects the
+    FAULTS; `stub_models` are its models that run in a Python stub, the talker's first."""
+    home, stub_models = REPOSITORIES[request.param]
     root = tmp_path_factory.mktemp("faults")
     repository = root / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
-    config = repository / "talker" / "config.pbtxt"
+    shutil.copytree(home, repository, ignore=shutil.ignore_patterns("__pycache__"))
+    config = repository / stub_models[0] / "config.pbtxt"
     text, count = re.subn(r'(key: "idle_timeout_s" value: \{ string_value: ")[^"]*"', rf'\g<1>{IDLE_TIMEOUT_S}"',
                           config.read_text())
     assert count == 1
@@ -47,6 +52,7 @@ def faulty(tiny_checkpoint, tmp_path_factory):
     env = {"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint),
            "PERSONAPLEX_INJECT_FAULTS": ",".join(f"{kind}:{key}" for kind, key in FAULTS.items())}
     with TritonServer(repository, env=env, log_path=root / "tritonserver.log") as srv:
+        srv.stub_models = stub_models
         yield srv
 
 
@@ -197,13 +203,14 @@ def test_killed_stub_turns_the_health_check_false(faulty):
     cli = subprocess.run([sys.executable, "-m", "personaplex_triton.serving.health",
                           "--url", faulty.http_url, "--metrics-url", faulty.metrics_url],
                          capture_output=True, text=True, timeout=60)
-    pids = faulty.stub_pids("talker")
+    pids = faulty.stub_pids(faulty.stub_models[0])
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
     assert wait_for(lambda: health.problems(faulty.http_url, faulty.metrics_url) != [], 20)
     found = health.problems(faulty.http_url, faulty.metrics_url)
     assert any(p.startswith("talker:") for p in found), found
-    assert not any(p.startswith("code2wav:") for p in found), found
+    # code2wav dies with the talker only where both run in the one stub
+    assert any(p.startswith("code2wav:") for p in found) == ("code2wav" not in faulty.stub_models), found
     assert cli.returncode == 0 and cli.stdout.strip() == "ok"
 
 
@@ -236,7 +243,8 @@ class Stream:
             self.client.close()
 
 
-def test_sigterm_drains_then_exits_cleanly_with_conversations_open(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("repository", REPOSITORIES)
+def test_sigterm_drains_then_exits_cleanly_with_conversations_open(repository, tiny_checkpoint, tmp_path):
     """SIGTERM to the launcher with a conversation mid-request and one idle but connected: the
     pending request is answered in full; a new conversation and a new request are refused with
     an error naming the shutdown; the idle client's stream is closed, not left silent; the
@@ -244,7 +252,8 @@ def test_sigterm_drains_then_exits_cleanly_with_conversations_open(tiny_checkpoi
     from personaplex_triton.serving.launch import SHUTDOWN_BOUND_S
 
     log = tmp_path / "triton.log"
-    server = TritonServer(env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log)
+    home, stub_models = REPOSITORIES[repository]
+    server = TritonServer(home, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log)
     with server:
         idle, talking = Stream(server), Stream(server)
         try:
@@ -256,7 +265,7 @@ def test_sigterm_drains_then_exits_cleanly_with_conversations_open(tiny_checkpoi
             assert wait_for(lambda: len(talking.frames) > 1, 120)
             tritonserver, stubs = server.tritonserver_pid(), server.stub_pids()
             shared_memory = [Path("/dev/shm") / child_processes(tritonserver)[pid][2] for pid in stubs]
-            assert len(stubs) == 2 and all(p.exists() for p in shared_memory)
+            assert len(stubs) == len(stub_models) and all(p.exists() for p in shared_memory)
             signalled = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
 
@@ -278,7 +287,7 @@ def test_sigterm_drains_then_exits_cleanly_with_conversations_open(tiny_checkpoi
             assert not child_processes(server.process.pid) and not any(Path(f"/proc/{p}").exists() for p in stubs)
             assert not any(p.exists() for p in shared_memory), "a stub did not exit cleanly"
             text = log.read_text(errors="replace")
-            assert "successfully unloaded 'talker'" in text and "successfully unloaded 'code2wav'" in text
+            assert all(f"successfully unloaded '{model}'" in text for model in stub_models)
             assert "Exiting immediately" not in text
         finally:
             idle.close()

@@ -131,6 +131,25 @@ def test_send_threads_answer_every_frame_in_order(tiny_checkpoint, solo, user_au
     assert a.text_pieces == solo.text_pieces
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
 
+def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path):
+    """model_repository_one_stub (both stages in one stub, `speech`, behind the same `ensemble`):
+    two conversations at once get every frame, in order, the first exactly what the two-stub
+    server gives it; its log names both stages' pools and Mimi runtimes, as the bench reads them."""
+    from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
+    from personaplex_triton.serving.launch import TritonServer
+
+    with TritonServer(ONE_STUB_REPOSITORY, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)},
+                      log_path=tmp_path / "tritonserver.log") as server:
+        a, b, other_audio = two_conversations_at_once(server.grpc_url, user_audio)
+        assert len(server.stub_pids()) == 1
+        log = server.log_path.read_text()
+    assert a.frames_received == FIVE_SECONDS and b.frames_received == len(audio.split_frames(other_audio))
+    assert a.text_pieces == solo.text_pieces
+    np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
+    assert set(slots_in_log(log)) == {"talker", "code2wav"}
+    assert "talker: Mimi encoder on" in log and "code2wav: Mimi decoder on" in log
+
+
 @pytest.mark.parametrize("change", [dict(seed=99), dict(voice="NATM0"), dict(text_prompt="Talk about cooking.")])
 def test_persona_controls_change_output(server, solo, user_audio, change):
     persona = Persona(**{**dict(voice="NATF0", text_prompt=PROMPT, seed=1234), **change})

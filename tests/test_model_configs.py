@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from personaplex_triton.core import contract
-from personaplex_triton.core.paths import MODEL_REPOSITORY
+from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 from personaplex_triton.serving import model_configs
 
 
@@ -80,3 +80,25 @@ def test_the_sequence_batcher_holds_back_no_conversation_a_pool_could_take():
         text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
         candidates = int(re.search(r"max_candidate_sequences: (\d+)", text).group(1))
         assert candidates > loaders.GPU_DECODER_SLOTS
+
+
+def test_the_one_stub_repository_serves_the_same_contract(tmp_path):
+    """`speech` takes the ensemble's inputs and gives its outputs, with the talker's parameters
+    and code2wav's pool; the ensemble in front of it is that one step, under the same name."""
+    two, one = model_configs.configs(), model_configs.configs(one_stub=True)
+    assert set(one) == {"speech", "ensemble"}
+    for spec in (*contract.INPUTS, *contract.OUTPUTS):
+        line = f'{{ name: "{spec.name}" data_type: {model_configs.PBTXT_TYPES[spec.datatype]} dims: [ {", ".join(map(str, spec.dims))} ]'
+        assert line in one["speech"] and line in one["ensemble"]
+    assert 'model_name: "speech"' in one["ensemble"] and "talker" not in one["ensemble"]
+    assert one["ensemble"].split("ensemble_scheduling")[0] == two["ensemble"].split("ensemble_scheduling")[0]
+    for key in ("max_conversations", "kv_dtype", "warm_personas", "send_threads", "decoder_conversations"):
+        assert f'{{ key: "{key}" value:' in one["speech"]
+    with pytest.raises(KeyError, match="talker.max_conversations"):  # no talker model in that repository
+        model_configs.configs(overrides={"talker.max_conversations": "8"}, one_stub=True)
+    model_configs.main(["--one-stub", "--out", str(tmp_path), "--set", "speech.max_conversations=64"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ensemble", "speech"]
+    assert (tmp_path / "speech" / "1" / "model.py").read_text() == \
+        (ONE_STUB_REPOSITORY / "speech" / "1" / "model.py").read_text()
+    assert '{ key: "max_conversations" value: { string_value: "64" } }' in (tmp_path / "speech" / "config.pbtxt").read_text()
+    assert model_configs.stale(tmp_path) == ["speech"]  # the override, against the defaults

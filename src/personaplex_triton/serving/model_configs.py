@@ -1,14 +1,20 @@
-"""The model repository's `config.pbtxt` files, made from the wire contract.
+"""The model repositories' `config.pbtxt` files, made from the wire contract.
 
 Tensor names, types and shapes come from `contract.INPUTS` / `contract.OUTPUTS` (the ensemble,
 the talker's inputs) and `seam.TENSORS` (between the stages); the model parameters and their
-defaults are the tables below. The committed `model_repository/*/config.pbtxt` are this
-module's output with the defaults (a test checks it). A deployment writes its own:
+defaults are the tables below. There are two repositories, both served as `ensemble`:
+`model_repository` (talker, code2wav, and the ensemble chaining them) and
+`model_repository_one_stub` (`speech`: both stages in one Python stub, and the ensemble of it).
+The committed `config.pbtxt` files are this module's output with the defaults (a test checks
+it). A deployment writes its own:
 
     python -m personaplex_triton.serving.model_configs                  # rewrite model_repository/*/config.pbtxt
+    python -m personaplex_triton.serving.model_configs --one-stub       # rewrite model_repository_one_stub/*/config.pbtxt
     python -m personaplex_triton.serving.model_configs --check          # exit 1 where they differ from the contract
     python -m personaplex_triton.serving.model_configs --out /srv/models --gpus all \
         --set talker.max_conversations=64 --set code2wav.max_conversations=72
+    python -m personaplex_triton.serving.model_configs --one-stub --out /srv/models --gpus all \
+        --set speech.max_conversations=64
 
 `--gpus all` puts one talker and one code2wav instance on every GPU Triton sees (`--gpus 0,2`:
 on those); `--cpu-instances N` runs N of each on the CPU. Triton's sequence batcher gives each
@@ -26,9 +32,10 @@ from pathlib import Path
 from ..core import contract, seam
 from ..core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 
-# Each repository's models: the two stages chained by an ensemble (the default), or both stages
-# in one Python stub (`speech`, serving/speech.py), which a frame crosses into and out of once.
-REPOSITORIES = {MODEL_REPOSITORY: ("talker", "code2wav", "ensemble"), ONE_STUB_REPOSITORY: ("speech",)}
+# Each repository's models: the two stages chained by the ensemble (the default), or both stages
+# in one Python stub (`speech`, serving/speech.py), which a frame crosses into and out of once,
+# behind an ensemble of that one step. Clients see the same `ensemble` in both.
+REPOSITORIES = {MODEL_REPOSITORY: ("talker", "code2wav", "ensemble"), ONE_STUB_REPOSITORY: ("speech", "ensemble")}
 PBTXT_TYPES = {"FP32": "TYPE_FP32", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64",
                "BOOL": "TYPE_BOOL", "BYTES": "TYPE_STRING"}
 # A sequence that sends nothing for this long loses its place in the sequence batcher.
@@ -153,23 +160,26 @@ def code2wav_config(instances: Instances = Instances(), parameters=PARAMETERS["c
 
 
 def speech_config(instances: Instances = Instances(), parameters=PARAMETERS["speech"]) -> str:
-    header = ("# The served model with both stages in one Python stub: the talker's frames go to code2wav\n"
-              "# in-process (serving/speech.py). Same contract as the ensemble: user audio frames in,\n"
-              "# agent audio + text out, one response per frame; a conversation is a sequence.\n")
+    header = ("# Both stages in one Python stub (serving/speech.py): the talker's frames go to code2wav\n"
+              "# in-process. The ensemble of this repository is its one step: a client's gRPC stream then\n"
+              "# holds the ensemble, not this model, and Triton 2.51 can unload it at shutdown.\n")
     return _stage("speech", header, contract.INPUTS, contract.OUTPUTS, instances, parameters)
 
 
-def ensemble_config() -> str:
-    def maps(kind: str, pairs) -> list[str]:
-        return [f'      {kind} {{ key: "{key}" value: "{value}" }}' for key, value in pairs]
+def _maps(kind: str, pairs) -> list[str]:
+    return [f'      {kind} {{ key: "{key}" value: "{value}" }}' for key, value in pairs]
 
-    seam_names = [(spec.name, spec.name.lower()) for spec in seam.TENSORS]
-    steps = [
-        ["      model_name: \"talker\"", "      model_version: -1",
-         *maps("input_map", [(s.name, s.name) for s in contract.INPUTS]), *maps("output_map", seam_names)],
-        ["      model_name: \"code2wav\"", "      model_version: -1",
-         *maps("input_map", seam_names), *maps("output_map", [(s.name, s.name) for s in contract.OUTPUTS])],
-    ]
+
+def ensemble_config(one_stub: bool = False) -> str:
+    """The served model: the talker then code2wav, or (`one_stub`) the `speech` model alone."""
+    served_in = _maps("input_map", [(s.name, s.name) for s in contract.INPUTS])
+    served_out = _maps("output_map", [(s.name, s.name) for s in contract.OUTPUTS])
+    if one_stub:
+        steps = [['      model_name: "speech"', "      model_version: -1", *served_in, *served_out]]
+    else:
+        seam_names = [(spec.name, spec.name.lower()) for spec in seam.TENSORS]
+        steps = [['      model_name: "talker"', "      model_version: -1", *served_in, *_maps("output_map", seam_names)],
+                 ['      model_name: "code2wav"', "      model_version: -1", *_maps("input_map", seam_names), *served_out]]
     body = ",\n".join("    {\n" + "\n".join(step) + "\n    }" for step in steps)
     return ("# The served model: user audio frames in, agent audio + text out, one response per frame.\n"
             "# A conversation is a sequence (correlation id, start and end flags); the persona inputs\n"
@@ -179,49 +189,55 @@ def ensemble_config() -> str:
             + "\n\nensemble_scheduling {\n  step [\n" + body + "\n  ]\n}\n")
 
 
-def configs(instances: Instances = Instances(), overrides: dict | None = None) -> dict[str, str]:
-    """model name -> config.pbtxt text; `overrides` maps "model.key" to a parameter value."""
+def configs(instances: Instances = Instances(), overrides: dict | None = None, one_stub: bool = False) -> dict[str, str]:
+    """model name -> config.pbtxt text, for the models of one repository (`one_stub`: the
+    one-stub one's); `overrides` maps "model.key" to a parameter value of one of its models."""
     overrides = dict(overrides or {})
     parameters = {}
-    for model, table in PARAMETERS.items():
-        parameters[model] = tuple(replace(p, value=overrides.pop(f"{model}.{p.key}", p.value)) for p in table)
+    for model in REPOSITORIES[ONE_STUB_REPOSITORY if one_stub else MODEL_REPOSITORY]:
+        parameters[model] = tuple(replace(p, value=overrides.pop(f"{model}.{p.key}", p.value))
+                                  for p in PARAMETERS.get(model, ()))
     if overrides:
         raise KeyError(f"no such model parameter: {', '.join(sorted(overrides))}")
+    if one_stub:
+        return {"speech": speech_config(instances, parameters["speech"]), "ensemble": ensemble_config(one_stub=True)}
     return {"talker": talker_config(instances, parameters["talker"]),
             "code2wav": code2wav_config(instances, parameters["code2wav"]),
-            "ensemble": ensemble_config(),
-            "speech": speech_config(instances, parameters["speech"])}
+            "ensemble": ensemble_config()}
 
 
 def write(model_repository: Path, instances: Instances = Instances(), overrides: dict | None = None,
           one_stub: bool = False) -> list[Path]:
-    """Writes the config.pbtxt of each model of one repository (`one_stub`: the `speech` model's)
+    """Writes the config.pbtxt of each model of one repository (`one_stub`: the one-stub one)
     under `model_repository`; elsewhere than this repository's own, with a copy of its model
     versions (the `1/model.py` adapters)."""
     home = ONE_STUB_REPOSITORY if one_stub else MODEL_REPOSITORY
-    texts = configs(instances, overrides)
     paths = []
-    for model in REPOSITORIES[home]:
+    for model, text in configs(instances, overrides, one_stub).items():
         folder = model_repository / model
         if folder.resolve() != (home / model).resolve():
             shutil.copytree(home / model, folder, dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.pbtxt").write_text(texts[model])
+        (folder / "config.pbtxt").write_text(text)
         paths.append(folder / "config.pbtxt")
     return paths
 
 
+def is_one_stub(model_repository: Path) -> bool:
+    """Whether a model repository is the one-stub kind (its models: `speech` and the ensemble)."""
+    return (model_repository / "speech").is_dir()
+
+
 def stale(model_repository: Path | None = None) -> list[str]:
-    """Models whose config.pbtxt differs from the default output: of `model_repository` (the
-    models it holds), else of this repository's own two."""
-    texts = configs()
+    """Models whose config.pbtxt differs from the default output: of `model_repository`, else of
+    both of this repository's own (named repository/model)."""
     if model_repository is None:
-        folders = [home / model for home, models in REPOSITORIES.items() for model in models]
-    else:
-        folders = [model_repository / model for model in texts if (model_repository / model).is_dir()]
-    return [folder.name for folder in folders
-            if not (folder / "config.pbtxt").is_file() or (folder / "config.pbtxt").read_text() != texts[folder.name]]
+        return [f"{home.name}/{model}" for home in REPOSITORIES for model in stale(home)]
+    texts = configs(one_stub=is_one_stub(model_repository))
+    return [model for model, text in texts.items()
+            if not (model_repository / model / "config.pbtxt").is_file()
+            or (model_repository / model / "config.pbtxt").read_text() != text]
 
 
 def instances_from_args(gpus: str | None, cpu_instances: int) -> Instances:
@@ -232,11 +248,14 @@ def instances_from_args(gpus: str | None, cpu_instances: int) -> Instances:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="model repository to write into (default: this repository's own)")
+    parser.add_argument("--out", type=Path, help="model repository to write into (default: this repository's own "
+                                                 "of the kind asked for)")
     parser.add_argument("--one-stub", action="store_true",
-                        help="write the `speech` model (both stages in one stub) instead of talker, code2wav, ensemble")
+                        help="the one-stub repository (speech, and the ensemble of it) instead of talker, code2wav "
+                             "and the ensemble of them")
     parser.add_argument("--check", action="store_true",
-                        help="compare the committed model repositories with the output; write nothing")
+                        help="compare a model repository (default: both of this repository's own) with the output; "
+                             "write nothing")
     parser.add_argument("--gpus", help='"all", or GPU indices "0,1": one instance of each stage per GPU')
     parser.add_argument("--cpu-instances", type=int, default=1, help="instances of each stage on the CPU")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
@@ -245,16 +264,12 @@ def main(argv=None) -> int:
     if args.check:
         differ = stale(args.out)
         for model in differ:
-            print(f"{model}/config.pbtxt differs from the contract: "
+            print(f"{args.out / model if args.out else model}/config.pbtxt differs from the contract: "
                   "run python -m personaplex_triton.serving.model_configs", file=sys.stderr)
         return 1 if differ else 0
     overrides = dict(item.split("=", 1) for item in args.set)
-    instances = instances_from_args(args.gpus, args.cpu_instances)
-    if args.out is not None:
-        written = write(args.out, instances, overrides, args.one_stub)
-    else:  # this repository's own: both of them
-        written = [path for home in REPOSITORIES for path in write(home, instances, overrides, home == ONE_STUB_REPOSITORY)]
-    for path in written:
+    out = args.out or (ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY)
+    for path in write(out, instances_from_args(args.gpus, args.cpu_instances), overrides, args.one_stub):
         print(path)
     return 0
 

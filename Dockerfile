@@ -28,6 +28,7 @@ COPY src ./src
 COPY client ./client
 COPY export ./export
 COPY model_repository ./model_repository
+COPY model_repository_one_stub ./model_repository_one_stub
 COPY deploy/serve.sh ./deploy/serve.sh
 RUN pip install --no-deps -e .
 

@@ -33,8 +33,9 @@ export: venv $(if $(PERSONAPLEX_CHECKPOINT),,checkpoint)
 demo: export
 	$(PY) scripts/demo.py
 
+# The server in the foreground (SERVE_ARGS="--model-repository model_repository_one_stub": both stages in one stub).
 serve: export
-	$(PY) -m personaplex_triton.serving.launch
+	$(PY) -m personaplex_triton.serving.launch $(SERVE_ARGS)
 
 test: export bench-deps deploy-deps browser-deps
 	$(VENV)/bin/lint-imports  # the library's layers (pyproject.toml's [tool.importlinter])

@@ -456,3 +456,30 @@ def test_near_starts_tells_what_a_new_persona_costs_the_others_apart():
     assert found["own"] == {"frames": sum(t <= 3.0 for t in own_sent), "late": 2, "over_160": 2}
     assert found["elsewhere"] == {"frames": 50 - near_frames + sum(t > 3.0 for t in own_sent), "late": 0, "over_160": 0}
     assert stats.near_starts([(0.0, False, sent, live)])["near"]["frames"] == 0  # no newcomer: nothing near
+
+
+def test_crossings_sums_the_segments_outside_the_ticks_and_takes_medians_over_runs(tmp_path):
+    from bench import crossings
+    from personaplex_triton.core.trace import SEGMENTS
+
+    def run(round_, repository, outside_each, tick):
+        segments = {name: (tick if name in crossings.TICKS else outside_each) for name, _, _ in SEGMENTS}
+        return {"round": round_, "repository": repository, "frames": 375, "p50": 30.0 + round_, "p95": 40.0,
+                "p99": 50.0, "late": 0, "segments_ms": segments,
+                "outside_ticks_ms": round(sum(v for k, v in segments.items() if k not in crossings.TICKS), 2)}
+
+    runs = [run(1, "two stubs", 0.8, 14.0), run(1, "one stub", 0.5, 14.0), run(2, "two stubs", 1.0, 15.0),
+            run(2, "one stub", 0.4, 16.0), run(3, "two stubs", 0.9, 14.0), run(3, "one stub", 0.6, 15.0)]
+    assert runs[0]["outside_ticks_ms"] == 5.6  # 7 segments outside the two ticks
+    two = crossings.summary([r for r in runs if r["repository"] == "two stubs"])
+    one = crossings.summary([r for r in runs if r["repository"] == "one stub"])
+    assert two["outside_ticks_ms"] == 6.3 and one["outside_ticks_ms"] == 3.5
+    assert two["segments_ms"]["talker tick"] == 14.0 and one["segments_ms"]["talker tick"] == 15.0
+    assert one["p50"] == 32.0 and one["runs"] == 3
+    result = {"command": "python -m bench.crossings", "machine": report.machine(), "commit": "abc", "started":
+              "2026-12-05T09:00:00+00:00", "conversations": 1, "seconds": 30, "runs": runs,
+              "summary": {"two stubs": two, "one stub": one}}
+    text = crossings.markdown(result, "x.png")
+    assert "| **outside the two ticks** | **6.3** | **3.5** |" in text and text.count("| 375 |") == 6  # a row a run
+    crossings.plot(result, tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 0

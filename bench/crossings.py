@@ -1,0 +1,131 @@
+"""What Triton adds to a frame, the two stages in two stubs against both in one: paced
+conversations through each model repository in turn, their frames followed through the stages.
+
+Each round runs `python -m bench.run --stages load --conversations N --seconds S --trace-dir DIR`
+once on `model_repository` (talker and code2wav, two Python stubs: a frame crosses between
+tritonserver and a stub four times) and once with `--one-stub` (`speech`: twice), each starting
+its own server. Per repository, the median over rounds of each segment of a frame's trip
+(core/trace.py) and of their sum outside the two ticks: what Triton, the stubs and the hand-off
+between the stages add.
+
+    python -m bench.crossings --rounds 3 --seconds 30 --name cpu2-intel-xeon
+
+writes bench/results/<date>-<name>-crossings.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import report
+from personaplex_triton.core.trace import SEGMENTS
+
+REPOSITORIES = {"two stubs": [], "one stub": ["--one-stub"]}  # label: bench.run's options
+TICKS = ("talker tick", "code2wav tick")
+
+
+def one_run(options: list[str], conversations: int, seconds: float) -> dict:
+    """One `bench.run` load level on a server of its own: the frame figures and segment medians."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "bench.run", *options, "--stages", "load", "--conversations",
+                        str(conversations), "--seconds", str(seconds), "--trace-dir", f"{out}/trace",
+                        "--out", out, "--name", "run"], check=True, capture_output=True, cwd=report.REPO_ROOT)
+        level = json.loads(next(Path(out).glob("*.json")).read_text())["load"][0]
+    segments = {name: level["trace"]["segments_ms"][name]["p50"] for name, _, _ in SEGMENTS}
+    return {**{key: level[key] for key in ("frames", "p50", "p95", "p99", "late")}, "segments_ms": segments,
+            "outside_ticks_ms": round(sum(ms for name, ms in segments.items() if name not in TICKS), 2)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
+    parser.add_argument("--name", default=report.machine()["slug"])
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = report.now()
+    runs = []
+    for round_ in range(1, args.rounds + 1):
+        for label, options in REPOSITORIES.items():
+            run = {"round": round_, "repository": label, **one_run(options, args.conversations, args.seconds)}
+            runs.append(run)
+            print(f"{report.now():%H:%M:%S} round {round_}, {label}: p50 {run['p50']} ms, outside the ticks "
+                  f"{run['outside_ticks_ms']} ms", file=sys.stderr, flush=True)
+    result = {"command": "python -m bench.crossings " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": report.machine(), "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),
+              "conversations": args.conversations, "seconds": args.seconds, "runs": runs,
+              "summary": {label: summary([r for r in runs if r["repository"] == label]) for label in REPOSITORIES}}
+    report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}-crossings", markdown, plot)
+    return 0
+
+
+def summary(runs: list[dict]) -> dict:
+    median = lambda values: round(statistics.median(values), 2)
+    return {"runs": len(runs), "p50": median(r["p50"] for r in runs), "p99": median(r["p99"] for r in runs),
+            "outside_ticks_ms": median(r["outside_ticks_ms"] for r in runs),
+            "segments_ms": {name: median(r["segments_ms"][name] for r in runs) for name, _, _ in SEGMENTS}}
+
+
+def markdown(result: dict, plot_name: str) -> str:
+    m, summaries = result["machine"], result["summary"]
+    labels = list(summaries)
+    lines = [f"# What Triton adds to a frame: two stubs against one ({result['started'][:10]}, {m['cpu']}, "
+             f"{m['cores']} cores, {', '.join(m['gpus']) or 'no GPU'})", "",
+             f"- Command: `{result['command']}`",
+             f"- Commit {result['commit']}, started {result['started']} UTC",
+             f"- Each run: `bench.run --stages load --conversations {result['conversations']} --seconds "
+             f"{result['seconds']:g} --trace-dir DIR` on a server of its own, model_repository (two stubs) and "
+             "model_repository_one_stub (one stub) taking turns; each segment's median over the run's frames, "
+             "then the median over the runs.", "",
+             "| segment (median ms) | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
+    for name, _, _ in SEGMENTS:
+        lines.append(f"| {name} | " + " | ".join(str(summaries[label]["segments_ms"][name]) for label in labels) + " |")
+    lines += ["| **outside the two ticks** | " + " | ".join(f"**{summaries[label]['outside_ticks_ms']}**"
+                                                          for label in labels) + " |",
+              "| frame p50 / p99 | " + " | ".join(f"{summaries[label]['p50']} / {summaries[label]['p99']}"
+                                                 for label in labels) + " |",
+              "", "Each run:", "", "| round | repository | frames | p50 / p95 / p99 (ms) | late | outside the ticks (ms) |",
+              "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in result["runs"]:
+        lines.append(f"| {r['round']} | {r['repository']} | {r['frames']} | {r['p50']} / {r['p95']} / {r['p99']} | "
+                     f"{r['late']} | {r['outside_ticks_ms']} |")
+    return "\n".join(lines + ["", f"![crossings]({plot_name})", ""])
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, _, _ in SEGMENTS if name not in TICKS]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(result["summary"])
+    for i, (label, s) in enumerate(result["summary"].items()):
+        ax.bar([x + i * width for x in range(len(names))], [s["segments_ms"][n] for n in names], width,
+               label=f"{label}: {s['outside_ticks_ms']} ms outside the ticks")
+    ax.set_xticks([x + width * (len(result["summary"]) - 1) / 2 for x in range(len(names))])
+    ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("median ms a frame")
+    ax.set_title(f"A frame's trip outside the ticks, {result['conversations']} conversation(s), "
+                 f"{result['machine']['cores']} cores")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,7 @@ import threading
 from ..core.metrics import Metrics
 from .serving import Code2WavService, Finish, IsCancelled, Send, TalkerService
 
+
 class RequestAnswers:
     """One client request's answers, gathered from two stages: the talker says when it has sent
     its last frame (or failed), code2wav answers each frame it was sent; the request finishes

@@ -4,10 +4,8 @@ import numpy as np
 
 from personaplex_triton.core import contract, loaders, seam
 from personaplex_triton.serving.serving import TalkerService, pick_device, seam_frame, slots_log_line, warmed_log_line
-from personaplex_triton.serving.shutdown import Drain, OpenSequences, mark_finalized, register
 from personaplex_triton.serving.triton_adapter import (
-    TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder, route_library_logs,
-    sequence_flags, sequence_idle_s)
+    ConversationRequests, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 
 INPUTS = tuple(spec.name for spec in contract.INPUTS)
 DECODER = "code2wav"  # the next stage, whose sequences this one ends at shutdown
@@ -27,27 +25,12 @@ class TritonPythonModel:
         log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
         log_info(warmed_log_line(args["model_name"], self.service.warmed))
-        self.name, self.instance = args["model_name"], args["model_instance_name"]
-        # A sequence idle for twice the reaper's wait has been ended by it, without a word to us.
-        self.sequences = OpenSequences(forget_after_s=2 * sequence_idle_s(args))
-        self.drain = Drain.from_env(self.sequences, self._drain, self._end_requests, self.instance)
-        register(self.instance, drains=True)
+        self.name = args["model_name"]
+        self.requests = ConversationRequests(args, self.service, INPUTS, self._end_requests)
 
     def execute(self, requests):
-        for request in requests:
-            start, end = sequence_flags(request)
-            self.sequences.note(int(request.correlation_id()), end)
-            send, finish, is_cancelled = responder(request)
-            if start:  # which instance holds the conversation: several run with instance_group count > 1
-                log_info(f"{self.instance}: conversation {request.correlation_id()} starts")
-            self.service.handle(int(request.correlation_id()), start, end,
-                                request_arrays(request, INPUTS), send, finish, is_cancelled)
+        self.requests.execute(requests)
         return None
-
-    def _drain(self, drain_s):
-        log_info(f"{self.instance}: shutting down: no new conversations or requests; answering the pending ones")
-        self.service.drain(drain_s)
-        log_info(f"{self.instance}: drained; ending the open sequences")
 
     def _end_requests(self, key):
         """The requests that end sequence `key` in both stages. This engine has answered all its
@@ -56,6 +39,4 @@ class TritonPythonModel:
                 (DECODER, seam_frame(key, seam.CLOSE_ONLY, True, np.zeros(seam.NUM_AGENT_CODEBOOKS, np.int64), ""))]
 
     def finalize(self):
-        self.drain.stop()
-        self.service.close()
-        mark_finalized(self.instance)
+        self.requests.finalize()

@@ -14,6 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..core.metrics import FAMILIES, HISTOGRAM_SERIES, Metrics, UpdateQueue
+from .shutdown import Drain, OpenSequences, mark_finalized, register
 
 SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = 2    # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -108,6 +109,41 @@ def responder(request):
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     return send, finish, sender.is_cancelled
+
+
+class ConversationRequests:
+    """What a model that takes the clients' conversations (the talker; `speech`) does with
+    Triton's requests: notes each sequence, hands each request's `inputs` to `service.handle`;
+    at shutdown drains the service, then ends the open sequences with `end_requests(key)`
+    ((model, inputs) pairs, shutdown.Drain); at finalize closes the service."""
+
+    def __init__(self, args: dict, service, inputs, end_requests):
+        self.service, self.inputs = service, inputs
+        self.instance = args["model_instance_name"]
+        # A sequence idle for twice the reaper's wait has been ended by it, without a word to us.
+        self.sequences = OpenSequences(forget_after_s=2 * sequence_idle_s(args))
+        self.drain = Drain.from_env(self.sequences, self._drain, end_requests, self.instance)
+        register(self.instance, drains=True)
+
+    def execute(self, requests) -> None:
+        for request in requests:
+            start, end = sequence_flags(request)
+            self.sequences.note(int(request.correlation_id()), end)
+            send, finish, is_cancelled = responder(request)
+            if start:  # which instance holds the conversation: several run with instance_group count > 1
+                log_info(f"{self.instance}: conversation {request.correlation_id()} starts")
+            self.service.handle(int(request.correlation_id()), start, end,
+                                request_arrays(request, self.inputs), send, finish, is_cancelled)
+
+    def _drain(self, drain_s: float) -> None:
+        log_info(f"{self.instance}: shutting down: no new conversations or requests; answering the pending ones")
+        self.service.drain(drain_s)
+        log_info(f"{self.instance}: drained; ending the open sequences")
+
+    def finalize(self) -> None:
+        self.drain.stop()
+        self.service.close()
+        mark_finalized(self.instance)
 
 
 REPORT_HOLD_S = 0.5  # counters wait this long for more to coalesce; gauges go at once

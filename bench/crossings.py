@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
     parser.add_argument("--name", default=report.machine()["slug"])
+    parser.add_argument("--commit", help="the tree measured, for the header (default: git's; a copied checkout's "
+                                         "history can be stale)")
     return parser.parse_args(argv)
 
 
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
             print(f"{report.now():%H:%M:%S} round {round_}, {label}: p50 {run['p50']} ms, outside the ticks "
                   f"{run['outside_ticks_ms']} ms", file=sys.stderr, flush=True)
     result = {"command": "python -m bench.crossings " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": report.machine(), "commit": report.git_commit(), "started": started.isoformat(timespec="seconds"),
+              "machine": report.machine(), "commit": args.commit or report.git_commit(), "started": started.isoformat(timespec="seconds"),
               "conversations": args.conversations, "seconds": args.seconds, "runs": runs,
               "summary": {label: summary([r for r in runs if r["repository"] == label]) for label in REPOSITORIES}}
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}-crossings", markdown, plot)

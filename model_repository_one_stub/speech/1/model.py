@@ -7,16 +7,16 @@ from personaplex_triton.core import contract, loaders
 from personaplex_triton.serving.serving import pick_device, slots_log_line, warmed_log_line
 from personaplex_triton.serving.speech import SpeechService
 from personaplex_triton.serving.triton_adapter import (
-    ConversationRequests, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
+    ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 
 INPUTS = tuple(spec.name for spec in contract.INPUTS)
 
 
-class TritonPythonModel:
+class TritonPythonModel(ConversationModel):
     def initialize(self, args):
         route_library_logs()
         params = model_parameters(args)
-        self.service = SpeechService(
+        service = SpeechService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
             pick_device(params.get("device", "auto"), instance_gpu(args)), params["decoder_conversations"],
             params["mimi_runtime"], int(params.get("send_threads", "1")),
@@ -26,20 +26,11 @@ class TritonPythonModel:
             warm_personas=params.get("warm_personas", ""), dtype=params.get("dtype", "auto"),
             kv_dtype=params.get("kv_dtype", "auto"),
             min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")))
-        talker, code2wav = self.service.talker, self.service.code2wav
-        for stage, service in (("talker", talker), ("code2wav", code2wav)):
-            log_info(f"{stage}: {service.mimi.describe()}")
-            log_info(slots_log_line(stage, service.slots, service.slots_why))
-        log_info(warmed_log_line("talker", talker.warmed))
-        self.name = args["model_name"]
-        self.requests = ConversationRequests(args, self.service, INPUTS, self._end_requests)
+        for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
+            log_info(f"{stage}: {stage_service.mimi.describe()}")
+            log_info(slots_log_line(stage, stage_service.slots, stage_service.slots_why))
+        log_info(warmed_log_line("talker", service.talker.warmed))
+        self.serve_conversations(args, service, INPUTS)
 
-    def execute(self, requests):
-        self.requests.execute(requests)
-        return None
-
-    def _end_requests(self, key):
+    def end_requests(self, key):
         return [(self.name, {contract.AUDIO_IN: np.zeros(0, np.float32)})]
-
-    def finalize(self):
-        self.requests.finalize()

@@ -111,21 +111,25 @@ def responder(request):
     return send, finish, sender.is_cancelled
 
 
-class ConversationRequests:
-    """What a model that takes the clients' conversations (the talker; `speech`) does with
-    Triton's requests: notes each sequence, hands each request's `inputs` to `service.handle`;
-    at shutdown drains the service, then ends the open sequences with `end_requests(key)`
-    ((model, inputs) pairs, shutdown.Drain); at finalize closes the service."""
+class ConversationModel:
+    """The base of a model that takes the clients' conversations (the talker; `speech`): notes
+    each sequence and hands each request's inputs to its service's `handle`; at shutdown drains
+    the service, then ends the open sequences with the requests `end_requests(key)` names
+    ((model, inputs) pairs, shutdown.Drain); at finalize closes the service. A subclass's
+    `initialize` builds the service and calls `serve_conversations`."""
 
-    def __init__(self, args: dict, service, inputs, end_requests):
+    def serve_conversations(self, args: dict, service, inputs) -> None:
         self.service, self.inputs = service, inputs
-        self.instance = args["model_instance_name"]
+        self.name, self.instance = args["model_name"], args["model_instance_name"]
         # A sequence idle for twice the reaper's wait has been ended by it, without a word to us.
         self.sequences = OpenSequences(forget_after_s=2 * sequence_idle_s(args))
-        self.drain = Drain.from_env(self.sequences, self._drain, end_requests, self.instance)
+        self.drain = Drain.from_env(self.sequences, self._drain, self.end_requests, self.instance)
         register(self.instance, drains=True)
 
-    def execute(self, requests) -> None:
+    def end_requests(self, key: int) -> list[tuple[str, dict]]:
+        raise NotImplementedError
+
+    def execute(self, requests):
         for request in requests:
             start, end = sequence_flags(request)
             self.sequences.note(int(request.correlation_id()), end)
@@ -134,6 +138,7 @@ class ConversationRequests:
                 log_info(f"{self.instance}: conversation {request.correlation_id()} starts")
             self.service.handle(int(request.correlation_id()), start, end,
                                 request_arrays(request, self.inputs), send, finish, is_cancelled)
+        return None
 
     def _drain(self, drain_s: float) -> None:
         log_info(f"{self.instance}: shutting down: no new conversations or requests; answering the pending ones")

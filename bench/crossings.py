@@ -16,14 +16,13 @@ writes bench/results/<date>-<name>-crossings.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench import report
+from bench.runs import load_level
 from personaplex_triton.core.trace import SEGMENTS
 
 REPOSITORIES = {"two stubs": [], "one stub": ["--one-stub"]}  # label: bench.run's options
@@ -32,11 +31,8 @@ TICKS = ("talker tick", "code2wav tick")
 
 def one_run(options: list[str], conversations: int, seconds: float) -> dict:
     """One `bench.run` load level on a server of its own: the frame figures and segment medians."""
-    with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "bench.run", *options, "--stages", "load", "--conversations",
-                        str(conversations), "--seconds", str(seconds), "--trace-dir", f"{out}/trace",
-                        "--out", out, "--name", "run"], check=True, capture_output=True, cwd=report.REPO_ROOT)
-        level = json.loads(next(Path(out).glob("*.json")).read_text())["load"][0]
+    with tempfile.TemporaryDirectory() as traces:
+        level = load_level(conversations, seconds, [*options, "--trace-dir", traces])
     segments = {name: level["trace"]["segments_ms"][name]["p50"] for name, _, _ in SEGMENTS}
     return {**{key: level[key] for key in ("frames", "p50", "p95", "p99", "late")}, "segments_ms": segments,
             "outside_ticks_ms": round(sum(ms for name, ms in segments.items() if name not in TICKS), 2)}

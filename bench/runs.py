@@ -26,13 +26,20 @@ from bench import report
 from bench.steal import StealSampler
 
 
-def one_run(url: str, conversations: int, seconds: float) -> dict:
-    """The load level's figures of one `bench.run` against `url`, and the CPU time stolen meanwhile."""
-    with tempfile.TemporaryDirectory() as out, StealSampler() as steal:
-        subprocess.run([sys.executable, "-m", "bench.run", "--url", url, "--stages", "load",
+def load_level(conversations: int, seconds: float, options: list[str]) -> dict:
+    """The figures of one `bench.run --stages load` level, run in a process of its own with
+    `options` (`--url`, `--one-stub`, `--trace-dir`, ...), as its JSON has them."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "bench.run", *options, "--stages", "load",
                         "--conversations", str(conversations), "--seconds", str(seconds),
                         "--out", out, "--name", "run"], check=True, capture_output=True, cwd=report.REPO_ROOT)
-        level = json.loads(next(Path(out).glob("*.json")).read_text())["load"][0]
+        return json.loads(next(Path(out).glob("*.json")).read_text())["load"][0]
+
+
+def one_run(url: str, conversations: int, seconds: float) -> dict:
+    """The load level's figures of one `bench.run` against `url`, and the CPU time stolen meanwhile."""
+    with StealSampler() as steal:
+        level = load_level(conversations, seconds, ["--url", url])
     return {**{key: level[key] for key in ("frames", "p50", "p95", "p99", "late", "real_time")},
             "steal": steal.mean, "steal_peak": steal.peak}
 

@@ -22,7 +22,7 @@ from personaplex_stream import Persona, ServerError, is_final_response, stream_c
 from personaplex_triton.core import contract, loaders
 from personaplex_triton.core.metrics import scrape
 from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
-from personaplex_triton.serving import health
+from personaplex_triton.serving import health, model_configs
 from personaplex_triton.serving.launch import TritonServer, child_processes
 from triton_requests import raw_request, tensor, voice_input
 
@@ -33,7 +33,8 @@ FAULTS = {"tick": 7001, "flaky-tick": 7002, "send": 7003}
 HEALTHY = Persona(voice="NATF0", text_prompt="Be kind.", seed=5)
 FRAME = np.zeros(contract.FRAME_SAMPLES, np.float32)
 # The model repositories, each with its models that run in a Python stub, the talker's first.
-REPOSITORIES = {"two-stubs": (MODEL_REPOSITORY, ("talker", "code2wav")), "one-stub": (ONE_STUB_REPOSITORY, ("speech",))}
+REPOSITORIES = {label: (home, tuple(m for m in model_configs.REPOSITORIES[home] if m != contract.MODEL_NAME))
+                for label, home in (("two-stubs", MODEL_REPOSITORY), ("one-stub", ONE_STUB_REPOSITORY))}
 
 
 @pytest.fixture(scope="module", params=REPOSITORIES)

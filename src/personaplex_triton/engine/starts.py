@@ -36,9 +36,3 @@ class StartJob:
         except StopIteration:
             return True
         return False
-
-    def run(self) -> Failed:
-        """Every piece at once; the slots that could not start."""
-        while not self.advance():
-            pass
-        return self.failed

@@ -199,7 +199,9 @@ class Talker:
         """Start conversations in their slots together, at once; returns those that could not,
         with why (`begin_starts`; a persona a start in pieces is prefilling meanwhile is
         prefilled again, as nothing else runs until this start is done)."""
-        return StartJob(lambda failed: self._start_pieces(setups, failed, wait_for_others=False)).run()
+        failed: Failed = {}
+        run_pieces(self._start_pieces(setups, failed, wait_for_others=False))
+        return failed
 
     def begin_starts(self, setups: dict[int, "TalkerSetup"]) -> StartJob:
         """Start conversations in their slots together, in pieces that other slots may tick

@@ -8,8 +8,10 @@ what each tick carries and when it starts, and admits conversations by time; the
 (engine_loop.py) frees, starts and ticks on the engine's thread; the tick (ticker.py) steps
 the stage; answers go back through each request's callbacks, in order,
 from the outbox thread (outbox.py, answers.py), so the next tick need not wait for the sends.
-Only one thread sends: tritonserver 2.51 aborts when a Python-backend stub sends from several
-at once (a boost::interprocess lock_exception). The parts share the engine's lock, and end a
+One thread sends by default: when sends from several threads were first tried (07070be),
+tritonserver 2.51 aborted (a boost::interprocess lock_exception). `send_threads` gives the outbox lanes, each sending its own conversations'
+answers; a real tritonserver takes them on a CPU (tests/test_integration.py), and what they do
+at load on a GPU is still to measure. The parts share the engine's lock, and end a
 conversation through its `_fail`.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the

@@ -9,10 +9,10 @@ what each tick carries and when it starts, and admits conversations by time; the
 the stage; answers go back through each request's callbacks, in order,
 from the outbox thread (outbox.py, answers.py), so the next tick need not wait for the sends.
 One thread sends by default: when sends from several threads were first tried (07070be),
-tritonserver 2.51 aborted (a boost::interprocess lock_exception). `send_threads` gives the outbox lanes, each sending its own conversations'
-answers; a real tritonserver takes them on a CPU (tests/test_integration.py), and what they do
-at load on a GPU is still to measure. The parts share the engine's lock, and end a
-conversation through its `_fail`.
+tritonserver 2.51 aborted (a boost::interprocess lock_exception). `send_threads` gives the
+outbox lanes, each sending its own conversations' answers; a real tritonserver takes them on a
+CPU (tests/test_integration.py), and what they do at load on a GPU is still to measure. The
+parts share the engine's lock, and end a conversation through its `_fail`.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations

@@ -69,7 +69,7 @@ gateway: venv
 web: export
 	$(PY) scripts/web.py $(WEB_ARGS)
 
-# The wheels a GPU host with numpy 2 and no Triton needs (the lent H200), for Python 3.12, in two
+# The wheels a GPU host with numpy 2 and no Triton needs (the lent H200), for Python 3.12, in
 # parts under build/gpu-bundle/; scripts/gpu_host.sh installs them there (docs/gpu-serving.md).
 gpu-bundle:
 	scripts/gpu_host.sh bundle

@@ -2,16 +2,17 @@
 # The server on a GPU host whose Python has numpy 2 and no Triton (the lent H200: Python 3.12,
 # torch 2.11, no internet). Triton 2.51's Python-backend stub (the nvidia-pytriton build, the
 # newest on PyPI) is built with pybind11 2.10, which breaks on numpy 2, so the server runs in a
-# venv of its own: the host's torch and the rest through a .pth, numpy 1.26 and scipy 1.13
-# (built for it) in front. Where the server's Python has numpy < 2, or in NVIDIA's container,
+# venv of its own: the host's torch and the rest through a .pth, numpy 1.26 in front (and scipy
+# 1.13, built for it, where the host's scipy does not import beside it). Where the server's Python has numpy < 2, or in NVIDIA's container,
 # none of this is needed: `make serve` works as is.
 #
 #   scripts/gpu_host.sh bundle       # here (any machine with pip): wheels for Python 3.12, in
-#                                    # two parts under build/gpu-bundle/ (26 + 35 MiB)
-#   scripts/gpu_host.sh install PART # there: unpack build/gpu-bundle/PART.tar.xz (part1, part2)
+#                                    # parts under build/gpu-bundle/: triton (25 MiB), packages (15 MiB),
+#                                    # scipy (22 MiB, only where the host's scipy does not import)
+#   scripts/gpu_host.sh install PART...  # there: unpack build/gpu-bundle/PART.tar.xz (triton, packages, scipy)
 #   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
 #   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
-#   scripts/gpu_host.sh test-library # there, part2 only: the library's GPU tests (tests/test_gpu.py)
+#   scripts/gpu_host.sh test-library # there, packages only: the library's GPU tests (tests/test_gpu.py)
 #   scripts/gpu_host.sh serve [--one-stub] [--set MODEL.KEY=VALUE ...]  # there: tritonserver in the
 #                                    # background, until ready (--set: on a copy of the model repository with
 #                                    # those parameters, e.g. --set talker.kv_dtype=float8_e4m3fn; --one-stub:
@@ -20,17 +21,18 @@
 #   scripts/gpu_host.sh bench-long N SECONDS [ARG...]  # there, against it: N conversations of SECONDS
 #                                    # each (240: contexts reach 3,000 frames; 300: past the limit), a new
 #                                    # persona every 30 s (ARG: more bench.run options, e.g. --out DIR)
-#   scripts/gpu_host.sh engine [DIR] # there, no server up (part2 and a tokenizer suffice): the
+#   scripts/gpu_host.sh engine [DIR] # there, no server up (packages and a tokenizer suffice): the
 #                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
 #   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
 #                                    # (to read them tick by tick here: bench/ticks.py, core/trace.py)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
-# On the lent machine each step is one `device` call (a warm machine keeps build/ and
-# checkpoints/ between calls, and a server started): install part2 + test-library + engine;
-# install part1 + checkpoint + test; serve + bench. docs/gpu-serving.md's "Running on the lent H200"
-# section has the exact calls.
+# On the lent machine triton and packages travel together with this checkout in one `device`
+# call (under its 64 MiB), which installs them, makes the checkpoint and runs what it came for (a
+# warm machine keeps build/, checkpoints/ and a started server for 30 s). pyloudnorm's filter
+# (WAV voices) needs scipy: the host's, beside numpy 1.26, else the scipy part in a call of its
+# own. docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -41,10 +43,13 @@ TRACE_DIR=$ROOT/$HOST/trace  # the stages' frame traces (trace.py), for the benc
 CHECKPOINT=${PERSONAPLEX_CHECKPOINT:-$ROOT/checkpoints/7b}
 PYV=3.12
 
-# What the server needs beyond the host's own packages, pinned; the parts stay under 64 MiB.
-PART1=(nvidia-pytriton==0.7.0)
-PART2=(numpy==1.26.4 scipy==1.13.1 moshi==0.2.13 pyloudnorm==0.2.0 tritonclient==2.51.0
-       protobuf==4.25.9 python-rapidjson==1.25)
+# What the server needs beyond the host's own packages, pinned, in parts that travel apart:
+# triton and packages fit one device call beside the checkout; scipy (built for numpy 1.26) only
+# where the host's own does not import beside numpy 1.26.
+TRITON=(nvidia-pytriton==0.7.0)
+PACKAGES=(numpy==1.26.4 moshi==0.2.13 pyloudnorm==0.2.0 tritonclient==2.51.0 protobuf==4.25.9
+          python-rapidjson==1.25)
+SCIPY=(scipy==1.13.1)
 
 ready() { python3 -c 'import urllib.request as u; u.urlopen("http://localhost:8000/v2/health/ready", timeout=2)' 2>/dev/null; }
 
@@ -69,22 +74,25 @@ unpack_wheels() {  # wheels in $1 -> site-packages layout in $2 (.data/purelib a
 bundle() {
     mkdir -p "$BUNDLE"
     local part names dir
-    for part in part1 part2; do
+    for part in triton packages scipy; do
         [ -f "$BUNDLE/$part.tar.xz" ] && { echo "$BUNDLE/$part.tar.xz is there"; continue; }
-        if [ $part = part1 ]; then names=("${PART1[@]}"); else names=("${PART2[@]}"); fi
+        case $part in
+            triton) names=("${TRITON[@]}") ;;
+            packages) names=("${PACKAGES[@]}") ;;
+            scipy) names=("${SCIPY[@]}") ;;
+        esac
         dir=$(mktemp -d)
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version $PYV --implementation cp \
             --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
             --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
             -d "$dir/wheels" "${names[@]}"
         unpack_wheels "$dir/wheels" "$dir/site"
-        if [ $part = part1 ]; then  # only the server, its libraries and the 3.12 stub
+        if [ $part = triton ]; then  # only the server, its libraries and the 3.12 stub
             rm -f "$dir"/site/nvidia_pytriton.libs/libpython3*.so*
             find "$dir/site/pytriton/tritonserver/python_backend_stubs" -mindepth 1 -maxdepth 1 ! -name $PYV \
                 -exec rm -rf {} +
-        else
-            rm -f "$dir/site/bin/perf_client"  # a second copy of perf_analyzer
         fi
+        rm -f "$dir/site/bin/perf_client"  # tritonclient's second copy of perf_analyzer
         tar -C "$dir/site" -cf - . | xz -T0 -9 > "$BUNDLE/$part.tar.xz.tmp"
         mv "$BUNDLE/$part.tar.xz.tmp" "$BUNDLE/$part.tar.xz"
         rm -rf "$dir"
@@ -103,11 +111,14 @@ make_venv() {
 }
 
 install() {
-    local part=${1:?install needs a part: part1 or part2}
+    (( $# )) || { echo "install needs parts: triton, packages, scipy" >&2; exit 2; }
     make_venv
-    local site
+    local site part
     site=$(site_packages)
-    xz -dc "$BUNDLE/$part.tar.xz" | tar -C "$site" -xf -
+    for part in "$@"; do
+        xz -dc "$BUNDLE/$part.tar.xz" | tar -C "$site" -xf -
+        echo "installed $part into $site"
+    done
     if [ -d "$site/bin" ]; then  # perf_analyzer, beside the venv's python
         find "$site/bin" -mindepth 1 -maxdepth 1 -exec mv -f {} "$VENV/bin/" \; && rmdir "$site/bin"
     fi
@@ -117,7 +128,13 @@ install() {
         ln -sf "$site"/nvidia_pytriton.libs/libb64-*.so.0d "$HOST/lib/libb64.so.0d"
         ln -sf "$site"/nvidia_pytriton.libs/libcudart-*.so.12* "$HOST/lib/libcudart.so.12"
     fi
-    echo "installed $part into $site"
+}
+
+need_scipy() {  # pyloudnorm's filter: a WAV voice's loudness (checkpoint makes its voice bundles from WAVs)
+    "$VENV/bin/python" -c 'import scipy.signal' 2>/dev/null && return
+    echo "scipy does not import here beside numpy 1.26: carry $BUNDLE/scipy.tar.xz and run" \
+         "'scripts/gpu_host.sh install scipy' (docs/gpu-serving.md)" >&2
+    exit 1
 }
 
 environment() {
@@ -127,11 +144,13 @@ environment() {
 
 checkpoint() {
     environment
+    need_scipy
     python export/make_tiny_checkpoint.py --size 7b --device cuda --out "$CHECKPOINT"
 }
 
 serve() {
     environment
+    need_scipy
     mkdir -p "$HOST"
     if ready; then echo "already serving"; return; fi
     local started=$SECONDS
@@ -208,7 +227,7 @@ engine() {  # issue 10's table: the talker tick beside moshi's LMGen, in one ses
 
 case "${1:-}" in
     bundle) bundle ;;
-    install) install "${2:-}" ;;
+    install) shift; install "$@" ;;
     checkpoint) checkpoint ;;
     test) gpu_tests ;;
     test-library) environment; python -m pytest -q -rs tests/test_gpu.py ;;
@@ -220,5 +239,5 @@ case "${1:-}" in
         tar -C "$(dirname "$TRACE_DIR")" -cf - "$(basename "$TRACE_DIR")" tritonserver.log | xz -T0 -6 > "$2/trace.tar.xz" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
-    *) sed -n '2,32p' "$0"; exit 2 ;;
+    *) sed -n '2,35p' "$0"; exit 2 ;;
 esac

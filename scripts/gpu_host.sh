@@ -182,6 +182,7 @@ serve() {
 
 gpu_tests() {
     environment
+    need_scipy  # the server tests make checkpoints of their own
     # Apart: memory the library tests leave in the pytest process would shrink the served pool.
     python -m pytest -q -rs tests/test_gpu_server.py
     python -m pytest -q -rs tests/test_gpu.py

@@ -5,14 +5,13 @@
 set -euo pipefail
 repository=/srv/model_repository
 if [[ ${PERSONAPLEX_ONE_STUB:-0} == 1 ]]; then
-    python3 -m personaplex_triton.serving.model_configs --one-stub --out "$repository" \
-        --gpus "${PERSONAPLEX_GPUS:-all}" \
-        --set "speech.max_conversations=${TALKER_CONVERSATIONS:-64}" \
-        --set "speech.decoder_conversations=${CODE2WAV_CONVERSATIONS:-72}"
+    layout=(--one-stub) talker_pool=speech.max_conversations decoder_pool=speech.decoder_conversations
 else
-    python3 -m personaplex_triton.serving.model_configs --out "$repository" --gpus "${PERSONAPLEX_GPUS:-all}" \
-        --set "talker.max_conversations=${TALKER_CONVERSATIONS:-64}" \
-        --set "code2wav.max_conversations=${CODE2WAV_CONVERSATIONS:-72}"
+    layout=() talker_pool=talker.max_conversations decoder_pool=code2wav.max_conversations
 fi
+python3 -m personaplex_triton.serving.model_configs "${layout[@]}" --out "$repository" \
+    --gpus "${PERSONAPLEX_GPUS:-all}" \
+    --set "$talker_pool=${TALKER_CONVERSATIONS:-64}" \
+    --set "$decoder_pool=${CODE2WAV_CONVERSATIONS:-72}"
 # PERSONAPLEX_ADMIN_KEY restricts the admin APIs (launch.py); without it they stay open.
 exec python3 -m personaplex_triton.serving.launch --model-repository "$repository"

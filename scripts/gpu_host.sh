@@ -3,8 +3,8 @@
 # torch 2.11, no internet). Triton 2.51's Python-backend stub (the nvidia-pytriton build, the
 # newest on PyPI) is built with pybind11 2.10, which breaks on numpy 2, so the server runs in a
 # venv of its own: the host's torch and the rest through a .pth, numpy 1.26 in front (and scipy
-# 1.13, built for it, where the host's scipy does not import beside it). Where the server's Python has numpy < 2, or in NVIDIA's container,
-# none of this is needed: `make serve` works as is.
+# 1.13, built for it, where the host's scipy does not import beside it). Where the server's
+# Python has numpy < 2, or in NVIDIA's container, none of this is needed: `make serve` works as is.
 #
 #   scripts/gpu_host.sh bundle       # here (any machine with pip): wheels for Python 3.12, in
 #                                    # parts under build/gpu-bundle/: triton (25 MiB), packages (15 MiB),

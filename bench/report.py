@@ -399,17 +399,22 @@ def _ticks_table(rows: list[dict]) -> list[str]:
         return []
     lines = ["### Ticks", "",
              "Each stage's ticks that started during the level's paced part, from its frame traces: ticks per "
-             "second, frames a tick carried (mean, p50, max), the tick's time (p50 / p99 ms), and the busy "
-             "fraction (the ticks' summed time over the wall time).", "",
+             "second, frames a tick carried (mean, p50, max), the tick's time (p50 / p99 ms), the busy "
+             "fraction (the ticks' summed time over the wall time), and the time a tick spent off the CPU "
+             "(its wall time less its thread's CPU time: waiting for the GIL or a lock, as a GPU wait spins), "
+             "p50 / p99 ms over all ticks and p50 over the slowest 1%.", "",
              "| stage | conversations | ticks/s | frames per tick: mean, p50, max | tick p50 / p99 (ms) "
-             "| busy fraction |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| busy fraction | off the CPU p50 / p99, slowest 1% (ms) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for stage in ("talker", "code2wav"):
         for r in traced:
             t = r["ticks"].get(stage)
             if t:
+                off_cpu = "-" if t.get("off_cpu_ms_p50") is None else \
+                    f"{t['off_cpu_ms_p50']} / {t['off_cpu_ms_p99']}, {t['slowest_off_cpu_ms_p50']}"
                 lines.append(f"| {stage} | {r['conversations']} | {t['ticks_per_s']} | {t['frames_per_tick_mean']}, "
                              f"{t['frames_per_tick_p50']:g}, {t['frames_per_tick_max']} | {t['tick_ms_p50']} / "
-                             f"{t['tick_ms_p99']} | {t['busy_fraction']} |")
+                             f"{t['tick_ms_p99']} | {t['busy_fraction']} | {off_cpu} |")
     return lines + [""]
 
 

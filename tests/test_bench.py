@@ -141,8 +141,9 @@ def test_plan_ages_every_conversation_and_turns_the_last_seat_over_to_new_person
 def test_tick_figures_count_the_ticks_of_the_stretch():
     from bench import ticks
 
-    def frame(start, ms, rows=4):
-        return {"tick_start": start, "tick_end": start + ms / 1000, "rows": rows}
+    def frame(start, ms, rows=4, cpu_ms=None):
+        record = {"tick_start": start, "tick_end": start + ms / 1000, "rows": rows}
+        return record if cpu_ms is None else {**record, "tick_cpu": cpu_ms / 1000}
 
     records = [frame(100.0, 20), frame(100.0, 20), frame(100.0, 20),  # one tick, 3 frames
                frame(100.5, 40), frame(101.0, 10, rows=8), frame(99.0, 50), frame(102.0, 30)]  # 2 outside
@@ -150,7 +151,14 @@ def test_tick_figures_count_the_ticks_of_the_stretch():
     assert (t["ticks"], t["ticks_per_s"], t["frames_per_tick_max"], t["rows_p50"]) == (3, 1.5, 3, 4.0)
     assert t["frames_per_tick_mean"] == round(5 / 3, 2) and t["frames_per_tick_p50"] == 1.0
     assert t["busy_fraction"] == 0.035 and t["tick_ms_p50"] == 20.0  # (20 + 40 + 10) ms over 2 s
+    assert t["off_cpu_ms_p50"] is None and t["slowest_off_cpu_ms_p50"] is None  # traces without the CPU time
     assert ticks.tick_figures(records, 200.0, 201.0) is None
+
+    # 99 ticks of 20 ms, 19 of them on the CPU; one of 80 ms, 20 of them on it: the slow one waited
+    timed = [frame(100.0 + i / 100, 20, cpu_ms=19) for i in range(99)] + [frame(101.5, 80, cpu_ms=20)]
+    t = ticks.tick_figures(timed, 100.0, 102.0)
+    assert (t["off_cpu_ms_p50"], t["slowest_off_cpu_ms_p50"]) == (1.0, 60.0)
+    assert 1.0 < t["off_cpu_ms_p99"] < 60.0
     with pytest.raises(ValueError, match="must end after it starts"):
         ticks.tick_figures(records, 2.0, 1.0)
 
@@ -176,10 +184,11 @@ def test_windows_gain_the_ticks_and_segments_of_their_own_stretch_from_the_trace
             tick_start = go + sent + 0.005 + (tick_ms / 1000 if later and not first else 0)
             tick_end = tick_start + tick_ms / 1000
             talker_sent = tick_end + send_ms / 1000
-            writers["talker"].frame(sequence_id, index, go + sent + 0.001, tick_start, tick_end, 2, talker_sent)
+            writers["talker"].frame(sequence_id, index, go + sent + 0.001, tick_start, tick_end,
+                                    (tick_ms - 1) / 1000, 2, talker_sent)
             queued = talker_sent + 0.001
             c2w_end = queued + wait_c2w_ms / 1000 + 0.004
-            writers["code2wav"].frame(sequence_id, index, queued, c2w_end - 0.004, c2w_end, 2, c2w_end + 0.001)
+            writers["code2wav"].frame(sequence_id, index, queued, c2w_end - 0.004, c2w_end, 0.004, 2, c2w_end + 0.001)
             latencies.append(1000 * (c2w_end + 0.002 - go - sent))
         result = SimpleNamespace(sequence_id=sequence_id, started_at=go, send_offsets_s=[0.0, 5.0, 10.0, 15.0],
                                  latencies_ms=latencies, wall_s=20.0, first_audio_ms=latencies[0])
@@ -205,6 +214,10 @@ def test_windows_gain_the_ticks_and_segments_of_their_own_stretch_from_the_trace
     assert {k: medians[1][k] for k in report.WINDOW_SEGMENTS} == {  # waits of 4 and 44 ms: median 24
         "wait for a talker tick": 24.0, "talker tick": 40.0, "talker send": 6.0, "wait for a code2wav tick": 5.0,
         "code2wav send": 1.0}
+    # the talker's ticks each ran 1 ms off the CPU, code2wav's none
+    assert report._ticks_table([row])[-3:-1] == [
+        "| talker | 2 | 0.3 | 1.33, 1, 2 | 40.0 / 40.0 | 0.01 | 1.0 / 1.0, 1.0 |",
+        "| code2wav | 2 | 0.3 | 1.33, 1, 2 | 4.0 / 4.0 | 0.001 | 0.0 / 0.0, 0.0 |"]
     table = report._windows_trace_table([row])
     assert table[0] == "### Along the run, where the time goes"
     # latencies 37 ms in the first window; 63 and 103 ms in the second (over 80: the waiting frames)

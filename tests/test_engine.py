@@ -752,3 +752,36 @@ def test_a_drain_answers_a_conversation_whose_start_is_under_way():
     pending.wait()
     assert pending.outputs == [("a", 1), ("b", 2)] and pending.errors == [None]
     assert sum(entry == ("piece", [0]) for entry in stage.log) == 6
+
+
+class SpinOrSleepStage(CountingStage):
+    """A tick of item "spin" keeps its thread on the CPU for 60 ms, as a GPU wait spins; one of
+    "sleep" waits 60 ms off it, as a tick waiting for the GIL does."""
+
+    def tick(self, items):
+        until = time.perf_counter() + 0.06
+        if "spin" in items.values():
+            while time.perf_counter() < until:
+                pass
+        else:
+            time.sleep(0.06)
+        return super().tick(items)
+
+
+def test_the_frame_trace_keeps_the_ticks_cpu_time(tmp_path, monkeypatch):
+    """Each frame's record holds its tick's wall time and the CPU time of the thread that ran
+    it: the two match for a tick that spins, and a tick that sleeps shows its wait off the CPU."""
+    from personaplex_triton.core import trace
+
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path))
+    engine = SlotEngine(SpinOrSleepStage(1), name="talker")
+    try:
+        engine.open(1, None)
+        run(engine, 1, ["spin", "sleep"])
+    finally:
+        engine.shutdown()
+    spin, sleep = trace.read(tmp_path, "talker")
+    for record in (spin, sleep):
+        assert record["tick_end"] - record["tick_start"] >= 0.06
+    assert spin["tick_cpu"] >= 0.04  # the CPU time of a busy thread, less what the scheduler took
+    assert sleep["tick_cpu"] < 0.02

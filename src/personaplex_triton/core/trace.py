@@ -2,8 +2,8 @@
 
 With `PERSONAPLEX_TRACE_DIR` set, each stage process appends one JSON line per answered frame
 to `<dir>/<stage>-<pid>.jsonl`: the conversation, the frame's index in it, when the frame was
-queued (its request reached the model), the tick that took it (start, end, rows stepped), and
-when its answer had been handed to Triton. Times are wall-clock seconds (`time.time()`), so the
+queued (its request reached the model), the tick that took it (start, end, the CPU seconds of the
+thread that ran it, rows stepped), and when its answer had been handed to Triton. Times are wall-clock seconds (`time.time()`), so the
 lines of both stages and the client's own send and receive times share one clock.
 Unset, nothing is recorded.
 """
@@ -34,9 +34,9 @@ class FrameTrace:
         return self._file is not None
 
     def frame(self, conversation: int, index: int, queued: float, tick_start: float, tick_end: float,
-              rows: int, sent: float) -> None:
+              tick_cpu: float, rows: int, sent: float) -> None:
         record = {"conversation": conversation, "index": index, "queued": queued, "tick_start": tick_start,
-                  "tick_end": tick_end, "rows": rows, "sent": sent}
+                  "tick_end": tick_end, "tick_cpu": tick_cpu, "rows": rows, "sent": sent}
         with self._lock:
             self._file.write(json.dumps(record) + "\n")
 

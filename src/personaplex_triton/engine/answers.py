@@ -40,7 +40,7 @@ class Answer:
     output: Any
     index: int          # the item's index in its conversation
     queued: float       # for the frame trace: when the item was queued, the tick that took it
-    tick_span: tuple
+    tick_span: tuple    # the tick's start, end (wall clock) and CPU seconds (Ticker.tick_span)
     rows: int
 
 

@@ -44,7 +44,10 @@ class Ticker:
         self.faults = faults
         self._on_tick = on_tick
         self._on_out_of_memory = on_out_of_memory
-        self.tick_span = (0.0, 0.0)  # wall-clock start and end of the last tick, for the trace
+        # The last tick's wall-clock start and end and the CPU time of the thread that ran it, for
+        # the trace: a tick's GPU waits spin on the CPU, so a tick far longer than its CPU time
+        # waited off it (for the GIL, held by the stub's other threads, or a lock).
+        self.tick_span = (0.0, 0.0, 0.0)
 
     def tick(self, batch) -> None:
         """Step `batch` (a TickPlan's items, scheduler.py) and put its answers in the outbox."""
@@ -80,9 +83,9 @@ class Ticker:
             try:
                 if self.faults is not None:
                     self.faults.before_tick({c.key: c.slot for c in ticked})
-                self.tick_span = (time.time(), None)
+                began, cpu = time.time(), time.thread_time()
                 outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
-                self.tick_span = (self.tick_span[0], time.time())
+                self.tick_span = (began, time.time(), time.thread_time() - cpu)
             except SlotFault as exc:
                 culprit = next((c for c in ticked if c.slot == exc.slot), None)
                 if culprit is not None:

@@ -2,13 +2,13 @@
 # The server on a GPU host whose Python has numpy 2 and no Triton (the lent H200: Python 3.12,
 # torch 2.11, no internet). Triton 2.51's Python-backend stub (the nvidia-pytriton build, the
 # newest on PyPI) is built with pybind11 2.10, which breaks on numpy 2, so the server runs in a
-# venv of its own: the host's torch and the rest through a .pth, numpy 1.26 in front (and scipy
-# 1.13, built for it, where the host's scipy does not import beside it). Where the server's
+# venv of its own: the host's torch and the rest through a .pth, numpy 1.26 and scipy 1.13 (built
+# for it: the host's scipy does not import beside numpy 1.26) in front. Where the server's
 # Python has numpy < 2, or in NVIDIA's container, none of this is needed: `make serve` works as is.
 #
 #   scripts/gpu_host.sh bundle       # here (any machine with pip): wheels for Python 3.12, in
 #                                    # parts under build/gpu-bundle/: triton (25 MiB), packages (15 MiB),
-#                                    # scipy (22 MiB, only where the host's scipy does not import)
+#                                    # scipy (22 MiB)
 #   scripts/gpu_host.sh install PART...  # there: unpack build/gpu-bundle/PART.tar.xz (triton, packages, scipy)
 #   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
 #   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
@@ -29,10 +29,9 @@
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
 # On the lent machine triton and packages travel together with this checkout in one `device`
-# call (under its 64 MiB), which installs them, makes the checkpoint and runs what it came for (a
-# warm machine keeps build/, checkpoints/ and a started server for 30 s). pyloudnorm's filter
-# (WAV voices) needs scipy: the host's, beside numpy 1.26, else the scipy part in a call of its
-# own. docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
+# call (under its 64 MiB), and scipy in the next, at once, which installs it and runs what it came
+# for (a warm machine keeps build/, checkpoints/ and a started server between calls that follow
+# one another). docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -44,8 +43,7 @@ CHECKPOINT=${PERSONAPLEX_CHECKPOINT:-$ROOT/checkpoints/7b}
 PYV=3.12
 
 # What the server needs beyond the host's own packages, pinned, in parts that travel apart:
-# triton and packages fit one device call beside the checkout; scipy (built for numpy 1.26) only
-# where the host's own does not import beside numpy 1.26.
+# triton and packages fit one device call beside the checkout, scipy (built for numpy 1.26) the next.
 TRITON=(nvidia-pytriton==0.7.0)
 PACKAGES=(numpy==1.26.4 moshi==0.2.13 pyloudnorm==0.2.0 tritonclient==2.51.0 protobuf==4.25.9
           python-rapidjson==1.25)
@@ -191,16 +189,22 @@ gpu_tests() {
 bench() {
     environment
     local common=(--url localhost:8001 --server-log "$HOST/tritonserver.log" "$@")
-    python -m bench.run "${common[@]}" --name h200 --stages load --conversations 1 8 16 32 48 64 76 96 \
+    python -m bench.run "${common[@]}" --name "$(gpu_slug)" --stages load --conversations 1 8 16 32 48 64 76 96 \
         --seconds 30 --new-persona --trace-dir "$TRACE_DIR"
-    python -m bench.run "${common[@]}" --name h200-perf-analyzer --stages perf-analyzer --pa-concurrency 1 16 64
+    python -m bench.run "${common[@]}" --name "$(gpu_slug)-perf-analyzer" --stages perf-analyzer --pa-concurrency 1 16 64
+}
+
+gpu_slug() {  # the card, for the results' names: h100, h200, ... (gpu where nvidia-smi does not say)
+    local name
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[ahlb][0-9]+[a-z]*' | head -1 || true)
+    echo "${name,,}" | grep . || echo gpu
 }
 
 bench_long() {
     environment
     local n=${1:?bench-long needs N (conversations) and SECONDS} seconds=${2:?bench-long needs SECONDS}
     shift 2
-    python -m bench.run --url localhost:8001 --server-log "$HOST/tritonserver.log" --name "h200-n$n-${seconds}s" \
+    python -m bench.run --url localhost:8001 --server-log "$HOST/tritonserver.log" --name "$(gpu_slug)-n$n-${seconds}s" \
         --stages load --conversations "$n" --seconds "$seconds" --persona-every 30 --trace-dir "$TRACE_DIR" "$@"
 }
 

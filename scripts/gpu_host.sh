@@ -24,7 +24,7 @@
 #   scripts/gpu_host.sh engine [DIR] # there, no server up (packages and a tokenizer suffice): the
 #                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
 #   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
-#                                    # (to read them tick by tick here: bench/ticks.py, core/trace.py)
+#                                    # (to read them here: python -m bench.slow_ticks, bench/ticks.py, core/trace.py)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #

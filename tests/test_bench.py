@@ -496,3 +496,35 @@ def test_crossings_sums_the_segments_outside_the_ticks_and_takes_medians_over_ru
     assert "| **outside the two ticks** | **6.3** | **3.5** |" in text and text.count("| 375 |") == 6  # a row a run
     crossings.plot(result, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_slow_ticks_set_beside_the_usual_ones_what_else_ran_meanwhile():
+    """Ten talker ticks of 20 ms, two frames each, but the seventh of 80 ms, after a tick whose
+    answers took 50 ms to leave; code2wav ticks 3 ms after each talker tick starts."""
+    from bench import slow_ticks
+
+    talker, code2wav, start = [], [], 100.0
+    for i in range(10):
+        ms, cpu_ms = (80, 20) if i == 6 else (20, 19)
+        end = start + ms / 1000
+        sends = (0.050, 0.050) if i == 5 else (0.001, 0.003)
+        for k, after in enumerate(sends):
+            talker.append({"conversation": k, "index": i, "queued": start + 0.001 * k, "tick_start": start,
+                           "tick_end": end, "tick_cpu": cpu_ms / 1000, "rows": 2, "sent": end + after})
+        code2wav.append({"conversation": 0, "index": i, "queued": start, "tick_start": start + 0.003,
+                         "tick_end": start + 0.006, "tick_cpu": 0.003, "rows": 1, "sent": start + 0.007})
+        start = end + 0.005
+    found = slow_ticks.slow_tick_figures(talker, code2wav, over_ms=60)
+    assert (found["ticks"], found["tick_ms_p50"]) == (10, 20.0)
+    slow, usual = found["slow"], found["usual"]
+    assert (slow["ticks"], slow["tick_ms"], slow["frames"], slow["previous_sends_ms"]) == (1, 80.0, 2.0, 50.0)
+    assert (usual["ticks"], usual["tick_ms"], usual["previous_sends_ms"]) == (8, 20.0, 3.0)  # the first has none before
+    assert slow["off_cpu_ms"] == 60.0 and usual["off_cpu_ms"] == 1.0
+    assert slow["code2wav_tick_ms"] == usual["code2wav_tick_ms"] == 3.0
+    # the slow tick: the previous tick's two answers leave during it; two frames arrive in 80 ms
+    assert slow["sends_per_ms"] == 0.03 and slow["arrivals_per_ms"] == 0.03
+    assert found["slow_apart_s_p50"] is None and found["slow_next_to_slow"] == 0
+    table = slow_ticks.report(found)
+    assert "| slow | 1 | 80 | 2 | 50 | 0.03 | 0.03 | 3 | 60 |" in table
+    with pytest.raises(ValueError, match="fewer than two ticks"):
+        slow_ticks.slow_tick_figures(talker[:1], [], over_ms=60)

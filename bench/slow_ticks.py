@@ -20,20 +20,8 @@ import argparse
 
 import numpy as np
 
+from bench.ticks import tick_table
 from personaplex_triton.core import trace
-
-
-def tick_table(records: list[dict]) -> dict[str, np.ndarray]:
-    """A stage's ticks from its frame records, in order of start: start and end (s), frames
-    carried, the last answer's send (s), and the tick's CPU seconds (NaN where not traced)."""
-    ticks: dict[float, list] = {}
-    for r in records:
-        tick = ticks.setdefault(r["tick_start"], [r["tick_end"], 0, r["sent"], r.get("tick_cpu", np.nan)])
-        tick[1] += 1
-        tick[2] = max(tick[2], r["sent"])
-    starts = np.array(sorted(ticks))
-    end, frames, last_sent, cpu = (np.array([ticks[s][i] for s in starts], dtype=np.float64) for i in range(4))
-    return {"start": starts, "end": end, "frames": frames, "last_sent": last_sent, "cpu": cpu}
 
 
 def _median(values) -> float | None:
@@ -65,7 +53,7 @@ def slow_tick_figures(talker: list[dict], code2wav: list[dict], over_ms: float =
                 "sends_per_ms": _median([during(sent, i) / ms[i] for i in chosen]),
                 "arrivals_per_ms": _median([during(arrived, i) / ms[i] for i in chosen]),
                 "code2wav_tick_ms": _median(overlapping),
-                "off_cpu_ms": _median(ms[chosen] - 1000 * t["cpu"][chosen])}
+                "off_cpu_ms": _median(t["off_cpu_ms"][chosen])}
 
     median = float(np.median(ms))
     slow = np.nonzero(ms > over_ms)[0]

@@ -12,6 +12,23 @@ import numpy as np
 from personaplex_triton.core import trace
 
 
+def tick_table(records: list[dict]) -> dict[str, np.ndarray]:
+    """A stage's ticks from its frame records (one per frame a tick carried), in order of start:
+    start and end (s), frames carried, rows stepped, the last answer's send (s), and the time
+    off the CPU (ms: the tick's wall time less its thread's CPU time; NaN where the trace does
+    not keep the CPU time)."""
+    ticks: dict[float, list] = {}  # by start: [end, frames, rows, last send, CPU seconds]
+    for r in records:
+        tick = ticks.setdefault(r["tick_start"], [r["tick_end"], 0, r["rows"], r["sent"], r.get("tick_cpu", np.nan)])
+        tick[1] += 1
+        tick[3] = max(tick[3], r["sent"])
+    starts = np.array(sorted(ticks), dtype=np.float64)
+    end, frames, rows, last_sent, cpu = (np.array([ticks[s][i] for s in starts], dtype=np.float64)
+                                         for i in range(5))
+    return {"start": starts, "end": end, "frames": frames, "rows": rows, "last_sent": last_sent,
+            "off_cpu_ms": 1000 * np.maximum(end - starts - cpu, 0.0)}
+
+
 def tick_figures(records: list[dict], start: float, end: float) -> dict | None:
     """The ticks that started in [start, end) (wall-clock seconds) among a stage's frame records
     (one per frame a tick carried): ticks, ticks per second, frames per tick (mean, p50, max),
@@ -20,27 +37,23 @@ def tick_figures(records: list[dict], start: float, end: float) -> dict | None:
     that do not keep the tick's CPU time); None if there were none."""
     if end <= start:
         raise ValueError(f"the stretch must end after it starts: {start} to {end}")
-    ticks: dict[float, list] = {}  # by start: [seconds, frames carried, rows stepped, CPU seconds]
-    for record in records:
-        if start <= record["tick_start"] < end:
-            seconds = record["tick_end"] - record["tick_start"]
-            cpu = record.get("tick_cpu", np.nan)
-            ticks.setdefault(record["tick_start"], [seconds, 0, record["rows"], cpu])[1] += 1
-    if not ticks:
+    inside = [record for record in records if start <= record["tick_start"] < end]
+    if not inside:
         return None
-    seconds, frames, rows, cpu = np.array(list(ticks.values()), dtype=np.float64).T
+    t = tick_table(inside)
+    seconds, frames, off_cpu = t["end"] - t["start"], t["frames"], t["off_cpu_ms"]
     wall = end - start
     slowest = seconds >= np.percentile(seconds, 99)
-    off_cpu = None if np.isnan(cpu).any() else 1000 * np.maximum(seconds - cpu, 0.0)
-    return {"ticks": len(ticks), "ticks_per_s": round(len(ticks) / wall, 2),
+    traced_cpu = not np.isnan(off_cpu).any()
+    return {"ticks": len(seconds), "ticks_per_s": round(len(seconds) / wall, 2),
             "frames_per_tick_mean": round(float(frames.mean()), 2), "frames_per_tick_p50": float(np.median(frames)),
-            "frames_per_tick_max": int(frames.max()), "rows_p50": float(np.median(rows)),
+            "frames_per_tick_max": int(frames.max()), "rows_p50": float(np.median(t["rows"])),
             "tick_ms_p50": round(1000 * float(np.median(seconds)), 2),
             "tick_ms_p99": round(1000 * float(np.percentile(seconds, 99)), 2),
             "busy_fraction": round(float(seconds.sum()) / wall, 3),
-            "off_cpu_ms_p50": None if off_cpu is None else round(float(np.median(off_cpu)), 2),
-            "off_cpu_ms_p99": None if off_cpu is None else round(float(np.percentile(off_cpu, 99)), 2),
-            "slowest_off_cpu_ms_p50": None if off_cpu is None else round(float(np.median(off_cpu[slowest])), 2)}
+            "off_cpu_ms_p50": round(float(np.median(off_cpu)), 2) if traced_cpu else None,
+            "off_cpu_ms_p99": round(float(np.percentile(off_cpu, 99)), 2) if traced_cpu else None,
+            "slowest_off_cpu_ms_p50": round(float(np.median(off_cpu[slowest])), 2) if traced_cpu else None}
 
 
 def stage_ticks(records: dict[str, list[dict]], start: float, end: float) -> dict:

@@ -142,7 +142,7 @@ def test_tick_figures_count_the_ticks_of_the_stretch():
     from bench import ticks
 
     def frame(start, ms, rows=4, cpu_ms=None):
-        record = {"tick_start": start, "tick_end": start + ms / 1000, "rows": rows}
+        record = {"tick_start": start, "tick_end": start + ms / 1000, "rows": rows, "sent": start + ms / 1000}
         return record if cpu_ms is None else {**record, "tick_cpu": cpu_ms / 1000}
 
     records = [frame(100.0, 20), frame(100.0, 20), frame(100.0, 20),  # one tick, 3 frames

@@ -2,9 +2,10 @@
 
 With `PERSONAPLEX_TRACE_DIR` set, each stage process appends one JSON line per answered frame
 to `<dir>/<stage>-<pid>.jsonl`: the conversation, the frame's index in it, when the frame was
-queued (its request reached the model), the tick that took it (start, end, the CPU seconds of the
-thread that ran it, rows stepped), and when its answer had been handed to Triton. Times are wall-clock seconds (`time.time()`), so the
-lines of both stages and the client's own send and receive times share one clock.
+queued (its request reached the model), the tick that took it (start, end, the CPU seconds of
+the thread that ran it, rows stepped), and when its answer had been handed to Triton. Times are
+wall-clock seconds (`time.time()`), so the lines of both stages and the client's own send and
+receive times share one clock.
 Unset, nothing is recorded.
 """
 

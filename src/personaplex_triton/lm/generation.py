@@ -35,7 +35,7 @@ from .model_step import ModelStep
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
 from .step_graphs import StepGraphs
-from .step_inputs import StepInputs, forced_tokens
+from .step_inputs import ACTIVE, SLOT, STREAMS, StepInputs, unpack
 from .token_grid import NUM_AUDIO, TokenGrid
 
 __all__ = ["SlotGenerator", "StepInputs"]
@@ -69,8 +69,8 @@ class SlotGenerator:
             fused_ops.uninstall(lm)
         self.kv_dtype = kv_dtype or next(lm.parameters()).dtype
         kv_cache.store_in(lm.transformer, self.kv_dtype)
-        self.graphs = StepGraphs(self._step, cuda_graphs and device.type == "cuda")
-        self._unembedded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs = StepGraphs(self._step, cuda_graphs and device.type == "cuda", self._no_embeddings)
+        self._unembedded: dict[int, torch.Tensor] = {}
         self._streaming = lm.streaming(num_slots)
         self._streaming.__enter__()
         if ring and device.type == "cpu":
@@ -133,36 +133,37 @@ class SlotGenerator:
 
         Returns (tokens [b, 17] of position o - 1, has_output [b], input embeddings [b, 1, dim]),
         row by row; rows without output (inactive, or still inside the delays) hold garbage.
-        Under CUDA graphs they are the graph's own buffers, which the next step overwrites.
+        Under CUDA graphs they are views of the graph's own buffers, which the next step overwrites.
         """
-        b = inputs.active.shape[0]
-        rows = torch.arange(b) if inputs.rows is None else inputs.rows
-        active = inputs.active.to(self.device)
-        embeddings, embed_rows = inputs.embeddings, inputs.embed_rows
-        if embeddings is None:
-            embeddings, embed_rows = self._no_embeddings(b)
+        out, emb = self.run_step(inputs.pack(), inputs.embeddings)
+        return out[:, :STREAMS], out[:, STREAMS].bool(), emb
+
+    @torch.no_grad()
+    def run_step(self, packed: torch.Tensor, embeddings: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` of packed inputs (step_inputs.py: [b, COLUMNS] int64, on the host) and
+        `embeddings` [b, 1, dim] (None: no row embeds). Returns (out [b, STREAMS + 1]: each
+        row's tokens, then whether it has output; input embeddings [b, 1, dim])."""
+        b = packed.shape[0]
+        rows = packed[:, SLOT]
+        first = int(rows[0]) if not self.graphs.enabled else None
         # On a CPU each of the step's ~1000 small ops pays PyTorch's dispatch; inference mode
         # skips their autograd and version-counter bookkeeping (a tenth of the tick). A GPU
         # replays a graph. (Not `inference_mode(False)`: that turns grad mode on.)
         cpu_only = torch.inference_mode() if self.device.type == "cpu" else contextlib.nullcontext()
-        first = int(rows[0]) if not self.graphs.enabled else None
-        if first is not None and torch.equal(rows.cpu(), torch.arange(first, first + b)):
+        if first is not None and torch.equal(rows, torch.arange(first, first + b)):
             # consecutive slots (one conversation, say): the modules see the pool's own rows
             self._carry, self._filled = None, None
             exec_mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-            exec_mask[first:first + b] = active
+            exec_mask[first:first + b] = packed[:, ACTIVE].bool().to(self.device)
             self.lm.set_exec_mask(exec_mask)
             seen = self.states.consecutive(first, b)
         else:
             self._carry = self.states.carried(b)
             self._filled = None if self.graphs.enabled or self.ring_attention else \
-                int(self.states.end_offsets()[rows].max())
+                int(self.states.end_offsets()[rows.to(self.device)].max())
             seen = self._carry.seen()
-        rows = rows.to(self.device)
         with seen, cpu_only:
-            return self.graphs.get(b, self.top_k_text_bound, self.top_k_bound)(
-                rows, active, *forced_tokens(inputs, self.device), embeddings.to(self.device),
-                embed_rows.to(self.device))
+            return self.graphs.run((b, self.top_k_text_bound, self.top_k_bound), packed, embeddings)
 
     def force_user(self, slots: list[int], positions: torch.Tensor, codes: torch.Tensor) -> None:
         """The user's codes [len(slots), 8] of the steps these slots took at `positions` with
@@ -171,10 +172,12 @@ class SlotGenerator:
         self.grid.force(torch.tensor(slots, device=self.device), positions.to(self.device),
                         slice(1 + NUM_AUDIO, None), codes.to(self.device))
 
-    def _step(self, rows, active, forced, is_forced, embeddings, embed_rows):
-        """A step of slots `rows` [b]: the carried rows' streaming state in, the token grid's
-        read, the input embeddings (`embeddings` [b, 1, dim] where `embed_rows`), the model,
-        the grid's write, the streaming state out. All tensor ops: the graph's whole body."""
+    def _step(self, packed: torch.Tensor, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of packed inputs on the device: the carried rows' streaming state in, the token
+        grid's read, the input embeddings (`embeddings` [b, 1, dim] where the rows embed), the
+        model, the grid's write, the streaming state out. All tensor ops: the graph's whole
+        body. Returns `run_step`'s."""
+        rows, active, embed_rows, forced, is_forced = unpack(packed)
         if self._carry is not None:
             self._carry.load(rows, active, self._filled)
         o, previous, target, target_provided = self.grid.read(rows, active, forced, is_forced)
@@ -185,12 +188,11 @@ class SlotGenerator:
         tokens, has_output = self.grid.write(rows, o, active, sampled, target_provided)
         if self._carry is not None:
             self._carry.store(self._filled)
-        return tokens, has_output, emb
+        return torch.cat([tokens, has_output[:, None].long()], dim=1), emb
 
-    def _no_embeddings(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step's embedding inputs when every row takes its tokens' embeddings."""
+    def _no_embeddings(self, b: int) -> torch.Tensor:
+        """A step's embeddings [b, 1, dim] when no row embeds (zeros; graphs copy none)."""
         if b not in self._unembedded:
-            dtype = self.lm.text_emb.weight.dtype
-            self._unembedded[b] = (torch.zeros(b, 1, self.lm.dim, dtype=dtype, device=self.device),
-                                   torch.zeros(b, dtype=torch.bool, device=self.device))
+            self._unembedded[b] = torch.zeros(b, 1, self.lm.dim, dtype=self.lm.text_emb.weight.dtype,
+                                              device=self.device)
         return self._unembedded[b]

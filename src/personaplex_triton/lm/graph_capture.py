@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..core import loaders
-from .step_inputs import StepInputs
-from .token_grid import NUM_AUDIO
+from .step_inputs import tick_inputs
 
 if TYPE_CHECKING:
     from .generation import SlotGenerator
@@ -23,19 +23,9 @@ def capture_graphs(generator: SlotGenerator) -> int:
         return 0
     bounds = (generator.top_k_text_bound, generator.top_k_bound)
     for b in generator.buckets:
-        idle = _idle_inputs(b, generator.device)
+        idle = torch.from_numpy(tick_inputs(np.arange(b), 0))  # no row steps: every slot stays as it was
         for generator.top_k_text_bound in loaders.TOP_K_TEXT_BUCKETS:
             for generator.top_k_bound in loaders.TOP_K_BUCKETS:
-                for _ in range(2):  # moshi's CUDAGraphed: a warm-up call, then the capture
-                    generator.step(idle)
+                generator.run_step(idle)
     generator.top_k_text_bound, generator.top_k_bound = bounds
     return len(generator.graphs)
-
-
-def _idle_inputs(b: int, device) -> StepInputs:
-    """A step of b rows with none active: it changes no slot's state."""
-    def zeros(*shape, dtype=torch.long):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return StepInputs(active=zeros(b, dtype=torch.bool), user_codes=zeros(b, NUM_AUDIO),
-                      agent_codes=zeros(b, NUM_AUDIO), agent_forced=zeros(b, dtype=torch.bool),
-                      text_token=zeros(b), text_forced=zeros(b, dtype=torch.bool))

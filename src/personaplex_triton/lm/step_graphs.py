@@ -1,10 +1,13 @@
 """The slot generator's step under CUDA graphs, one graph per (batch bucket, top-k bucket).
 
 On GPUs eager PyTorch is launch-bound (about 180 ms a step for the 7B model on an H200, against
-about 15 ms with graphs), so the whole step, the token grid's bookkeeping, the embeddings and
-the model, is one launch. The buckets (buckets.py) set the graphs' shapes; every graph is
-captured when the model loads (graph_capture.py). Off CUDA, or with graphs off, the cache holds
-the step as it is (moshi's `CUDAGraphed` disabled).
+about 15 ms with graphs), so the whole step, the unpacking of its inputs, the token grid's
+bookkeeping, the embeddings and the model, is one launch. The buckets (buckets.py) set the
+graphs' shapes; every graph is captured when the model loads (graph_capture.py). A step's
+inputs arrive as one packed tensor (step_inputs.py) and its embeddings, copied into the graph's
+own buffers (the embeddings only when given: the packed `EMBED` column says whether a row reads
+them); the graph's outputs are its own buffers, which its next replay overwrites. Off CUDA, or
+with graphs off, the step runs as it is.
 """
 
 from __future__ import annotations
@@ -12,29 +15,67 @@ from __future__ import annotations
 import gc
 from typing import Callable
 
-from moshi.utils.compile import CUDAGraphed
+import torch
+from moshi.utils.compile import no_cuda_graph
+
+from .step_inputs import ACTIVE
+
+
+class _Graph:
+    """One captured step: its input buffers and its outputs."""
+
+    def __init__(self, step: Callable, packed: torch.Tensor, embeddings: torch.Tensor):
+        self.packed, self.embeddings = packed.clone(), embeddings.clone()
+        device = packed.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        idle = self.packed.clone()
+        idle[:, ACTIVE] = 0  # no row steps: the warm-up leaves every slot as it was
+        with torch.cuda.stream(side), no_cuda_graph():  # a warm-up, as capture requires
+            step(idle, self.embeddings)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), no_cuda_graph():  # moshi's own graphs stay out of this one
+            self.outputs = step(self.packed, self.embeddings)
+
+    def __call__(self, packed: torch.Tensor, embeddings: torch.Tensor | None):
+        # From pinned memory the copy queues on the stream and the host goes on.
+        self.packed.copy_(packed.pin_memory() if packed.device.type == "cpu" else packed, non_blocking=True)
+        if embeddings is not None:
+            self.embeddings.copy_(embeddings, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
 
 
 class StepGraphs:
-    def __init__(self, step: Callable, enabled: bool):
-        """`step`: the generator's (SlotGenerator._step); `enabled`: under CUDA graphs."""
+    def __init__(self, step: Callable, enabled: bool, no_embeddings: Callable[[int], torch.Tensor]):
+        """`step(packed, embeddings)`: the generator's (SlotGenerator._step), on the device's
+        tensors; `enabled`: under CUDA graphs; `no_embeddings(b)`: b rows' embeddings when a
+        step gives none (zeros on the device)."""
         self.step = step
         self.enabled = enabled
-        self._graphs: dict[tuple[int, int, int], CUDAGraphed] = {}
+        self._no_embeddings = no_embeddings
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
 
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def get(self, b: int, top_k_text_bound: int, top_k_bound: int) -> CUDAGraphed:
-        """The step of `b` rows (a batch bucket) at these top-k bounds, its graph made on first use."""
-        key = (b, top_k_text_bound, top_k_bound)
-        if key not in self._graphs:
+    def run(self, key: tuple[int, int, int], packed: torch.Tensor, embeddings: torch.Tensor | None):
+        """The step of `packed` [b, COLUMNS] (on any device) and `embeddings` [b, 1, dim] (None:
+        no row embeds); `key`: (b, a batch bucket under graphs, and the top-k bounds). Its
+        graph is captured on first use."""
+        b = packed.shape[0]
+        if not self.enabled:
+            device = self._no_embeddings(b).device
+            return self.step(packed.to(device), self._no_embeddings(b) if embeddings is None else embeddings.to(device))
+        graph = self._graphs.get(key)
+        if graph is None:
             # A CUDA graph freed while another is being captured (by a garbage collection of
             # some unclosed generator, say) invalidates that capture: collect before it.
-            if self.enabled:
-                gc.collect()
-            self._graphs[key] = CUDAGraphed(self.step, disable=not self.enabled)
-        return self._graphs[key]
+            gc.collect()
+            no_embeddings = self._no_embeddings(b)
+            graph = self._graphs[key] = _Graph(self.step, packed.to(no_embeddings.device), no_embeddings)
+        return graph(packed, embeddings)
 
     def clear(self) -> None:
         self._graphs.clear()

@@ -28,10 +28,11 @@ from ..core.buckets import bucket_for
 from ..core.faults import SlotFault
 from ..engine.starts import Failed, StartJob
 from ..lm import kv_cache
-from ..lm.generation import SlotGenerator, StepInputs
+from ..lm.generation import SlotGenerator
 from ..lm.graph_capture import capture_graphs
 from ..lm.prefill import prefill_pieces, run_pieces
 from ..lm.sampling import SamplingParams
+from ..lm.step_inputs import STREAMS, tick_inputs
 from ..lm.token_grid import NUM_AUDIO
 from ..mimi.runtime import StepRunner
 from ..mimi.stream import MimiSlots
@@ -290,15 +291,15 @@ class Talker:
             return ""
         return self.tokenizer.id_to_piece(token).replace("\u2581", " ")
 
-    def slot_table(self, slots: list[int]) -> torch.Tensor:
+    def slot_table(self, slots: list[int]) -> np.ndarray:
         """A step's slot table: the carried `slots` packed first, then, up to the batch bucket
         (under CUDA graphs), slots not carried, whose rows stay inactive."""
         if not self.generator.graphs.enabled:
-            return torch.tensor(slots)
+            return np.array(slots)
         rows = bucket_for(len(slots), self.generator.buckets)
         carried = set(slots)
         padding = [s for s in range(self.num_slots) if s not in carried][:rows - len(slots)]
-        return torch.tensor(slots + padding)
+        return np.array(slots + padding)
 
     @torch.no_grad()
     def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, AgentStep]:
@@ -311,30 +312,20 @@ class Talker:
         if not user_frames:
             return {}
         later = self._encoder is not None or self._encode_stream is not None
-        codes = {} if later else self.mimi.encode(user_frames)
         slots = sorted(user_frames)
-        table = self.slot_table(slots)
-        rows = len(table)
-        # whole-batch ops, not one per slot: each op lets the stub's other threads take the GIL
-        active = torch.zeros(rows, dtype=torch.bool)
-        active[:len(slots)] = True
-        user = torch.zeros(rows, NUM_AUDIO, dtype=torch.long)
-        if not later:
-            user[:len(slots)] = torch.stack([codes[s] for s in slots])
-        unforced = torch.zeros(rows, dtype=torch.bool)
-        idle = torch.zeros(rows, dtype=torch.long)
-        inputs = StepInputs(*(t.to(self.device) for t in (active, user, idle[:, None].expand(rows, NUM_AUDIO),
-                                                          unforced, idle, unforced)), user_later=later,
-                            rows=table)
+        user = None if later else self.mimi.encode_rows(user_frames)[1].cpu().numpy()  # rows in `slots` order
+        # One packed copy in and one out (step_inputs.py): each PyTorch call lets the stub's
+        # other threads take the GIL, and the tick waits to get it back.
+        packed = torch.from_numpy(tick_inputs(self.slot_table(slots), len(slots), user))
         positions = self.generator.grid.offset[slots].clone() if later else None  # before the step moves them
         before_step = torch.cuda.current_stream(self.device).record_event() if self._encode_stream else None
-        tokens, has_output, _ = self.generator.step(inputs)
+        out, _ = self.generator.run_step(packed)
         if self._encode_stream is not None:  # queued while the step runs: the host goes on to wait for it
             self._encodings.append((self._queue_encode(user_frames, before_step), slots, positions))
-        tokens, has_output = tokens[:len(slots)].cpu().numpy(), has_output[:len(slots)].cpu().numpy()
-        answered = [(i, s) for i, s in enumerate(slots) if has_output[i]]
+        out = out.cpu().numpy()
+        answered = [(i, s) for i, s in enumerate(slots) if out[i, STREAMS]]
         tick = (next(self._ticks), len(answered))
-        answers = {s: AgentStep(tokens[i, 1:1 + NUM_AUDIO].copy(), int(tokens[i, 0]), tick) for i, s in answered}
+        answers = {s: AgentStep(out[i, 1:1 + NUM_AUDIO].copy(), int(out[i, 0]), tick) for i, s in answered}
         if self._encoder is not None:  # once the answers are out of the step, which the encode would otherwise delay
             encode = self.mimi.encode_rows
             self._encodings.append((self._encoder.submit(lambda: encode(user_frames)[1]), slots, positions))

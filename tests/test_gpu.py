@@ -238,6 +238,41 @@ def test_the_talkers_encode_on_a_stream_of_its_own_gives_the_same_tokens(files):
             talker.close()
 
 
+def test_a_graphed_tick_makes_few_pytorch_calls(files):
+    """Each PyTorch call from Python lets a Triton stub's other threads take the GIL, and the
+    tick's thread then waits to get it back (bench/tick_contention.py): a graphed talker tick
+    hands its step one packed tensor and takes one back, Mimi's rows are stacked in numpy, so a
+    tick's calls do not grow with its rows (87 calls at 14 rows before, on the H100)."""
+    import numpy as np
+
+    from bench.tick_contention import calls_a_tick
+    from personaplex_triton.core import loaders
+    from personaplex_triton.mimi.runtime import open_step
+    from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame
+    from personaplex_triton.stages.persona import Persona, VoicePrompt, load_voice
+    from personaplex_triton.stages.talker import Talker, TalkerSetup
+
+    voice = VoicePrompt("NATF0-short", frames=load_voice(files.voices / "NATF0.wav").frames[:4])
+    rng = np.random.default_rng(7)
+    talker = Talker(loaders.get_lm(files, "cuda"), open_step("encoder", files, device="cuda"),
+                    loaders.get_tokenizer(files), SLOTS)
+    decoder = Code2Wav(open_step("decoder", files, device="cuda"), SLOTS)
+    try:
+        calls = {}
+        for rows in (1, SLOTS):
+            for slot in range(rows):
+                talker.start(slot, TalkerSetup(Persona(voice, ()), SamplingParams(seed=slot)))
+                decoder.start(slot)
+            frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(rows)}
+            codes = {s: CodesFrame(rng.integers(0, 2048, 8)) for s in range(rows)}
+            talker.tick(frames)  # a first tick leaves an encode for the next one to settle
+            calls[rows] = (calls_a_tick(lambda: talker.tick(frames)), calls_a_tick(lambda: decoder.tick(codes)))
+        assert calls[1] == calls[SLOTS], calls
+        assert calls[SLOTS][0] <= 32 and calls[SLOTS][1] <= 20, calls
+    finally:
+        talker.close()
+
+
 def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once(files, monkeypatch):
     """A new persona's start in pieces (8-position prefill passes) while another conversation
     ticks between them, its graphed steps padding their batch with slots they do not carry (the

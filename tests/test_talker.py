@@ -102,6 +102,32 @@ def test_first_frame_is_the_prompt_tail(talker, wav_voice, user_frames):
     assert len(answer) == 3
 
 
+def test_a_ticks_packed_inputs_are_what_its_step_inputs_pack():
+    """A served tick builds its step's one packed tensor in numpy (`tick_inputs`): the same
+    tensor as the StepInputs of that tick pack, with the user's codes forced or coming later;
+    and unpacking gives each input back."""
+    from personaplex_triton.lm.step_inputs import StepInputs, tick_inputs, unpack
+
+    rng = np.random.default_rng(5)
+    table, carried = np.array([6, 2, 9, 0]), 3
+    active = torch.tensor([True, True, True, False])
+    user = rng.integers(0, 2048, (carried, 8))
+    none = torch.zeros(4, dtype=torch.bool)
+    zeros = torch.zeros(4, 8, dtype=torch.long)
+    for codes, later in ((user, False), (None, True)):
+        user_codes = zeros.clone()
+        if codes is not None:
+            user_codes[:carried] = torch.from_numpy(codes)
+        inputs = StepInputs(active, user_codes, zeros, none, torch.zeros(4, dtype=torch.long), none,
+                            user_later=later, rows=torch.from_numpy(table))
+        packed = torch.from_numpy(tick_inputs(table, carried, codes))
+        assert torch.equal(packed, inputs.pack())
+        rows, stepping, embeds, forced, is_forced = unpack(packed)
+        assert rows.tolist() == table.tolist() and torch.equal(stepping, active) and not embeds.any()
+        assert torch.equal(forced[:, 9:], user_codes) and bool(is_forced[:, 9:].all()) is not later
+        assert not is_forced[:, :9].any()
+
+
 def test_outputs_are_aligned_for_the_decoder(talker):
     """Tokens forced at one call come back, every stream aligned, at the next call:
     text and cb0 (delay 0) beside cb1..7 (delay 1)."""

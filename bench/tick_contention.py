@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     ticks = stages(args)
     rows = []
     for name, tick in ticks.items():
-        calls = calls_a_tick(tick)
         alone = timed_ticks(tick, args.ticks)
+        calls = calls_a_tick(tick)  # a tick after others: the talker's writes the last one's user codes
         with GilTakers(args.threads, args.hold_us / 1e6, args.rate):
             beside = timed_ticks(tick, args.ticks)
         rows.append({"stage": name, "calls": calls, "alone": alone, "beside": beside})

@@ -8,8 +8,8 @@
 #
 #   scripts/gpu_host.sh bundle       # here (any machine with pip): wheels for Python 3.12, in
 #                                    # parts under build/gpu-bundle/: triton (25 MiB), packages (15 MiB),
-#                                    # scipy (22 MiB)
-#   scripts/gpu_host.sh install PART...  # there: unpack build/gpu-bundle/PART.tar.xz (triton, packages, scipy)
+#                                    # scipy (22 MiB), tools (py-spy, 3 MiB)
+#   scripts/gpu_host.sh install PART...  # there: unpack build/gpu-bundle/PART.tar.xz (triton, packages, scipy, tools)
 #   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
 #   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
 #   scripts/gpu_host.sh test-library # there, packages only: the library's GPU tests (tests/test_gpu.py)
@@ -23,15 +23,18 @@
 #                                    # persona every 30 s (ARG: more bench.run options, e.g. --out DIR)
 #   scripts/gpu_host.sh engine [DIR] # there, no server up (packages and a tokenizer suffice): the
 #                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
+#   scripts/gpu_host.sh profile STAGE SECONDS DIR  # there, against it (the tools part): py-spy of STAGE's stub
+#                                    # (talker or code2wav) for SECONDS, every thread, then the GIL's holder,
+#                                    # raw collapsed stacks in DIR
 #   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
 #                                    # (to read them here: python -m bench.slow_ticks, bench/ticks.py, core/trace.py)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
 # On the lent machine triton and packages travel together with this checkout in one `device`
-# call (under its 64 MiB), and scipy in the next, at once, which installs it and runs what it came
-# for (a warm machine keeps build/, checkpoints/ and a started server between calls that follow
-# one another). docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
+# call (under its 64 MiB), and scipy (with tools, where a run profiles) in the next, at once, which
+# installs them and runs what it came for (a warm machine keeps build/, checkpoints/ and a started
+# server between calls that follow one another). docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -48,6 +51,7 @@ TRITON=(nvidia-pytriton==0.7.0)
 PACKAGES=(numpy==1.26.4 moshi==0.2.13 pyloudnorm==0.2.0 tritonclient==2.51.0 protobuf==4.25.9
           python-rapidjson==1.25)
 SCIPY=(scipy==1.13.1)
+TOOLS=(py-spy==0.4.3)  # `profile`: which thread of a stub runs, and which holds the GIL
 
 ready() { python3 -c 'import urllib.request as u; u.urlopen("http://localhost:8000/v2/health/ready", timeout=2)' 2>/dev/null; }
 
@@ -65,6 +69,7 @@ unpack_wheels() {  # wheels in $1 -> site-packages layout in $2 (.data/purelib a
             [ -d "$data/$lib" ] && cp -a "$data/$lib/." "$dst/"
         done
         [ -d "$data/data/bin" ] && cp -a "$data/data/bin/." "$dst/bin/"
+        [ -d "$data/scripts" ] && cp -a "$data/scripts/." "$dst/bin/"  # py-spy's binary
         rm -rf "$data"
     done
 }
@@ -72,12 +77,13 @@ unpack_wheels() {  # wheels in $1 -> site-packages layout in $2 (.data/purelib a
 bundle() {
     mkdir -p "$BUNDLE"
     local part names dir
-    for part in triton packages scipy; do
+    for part in triton packages scipy tools; do
         [ -f "$BUNDLE/$part.tar.xz" ] && { echo "$BUNDLE/$part.tar.xz is there"; continue; }
         case $part in
             triton) names=("${TRITON[@]}") ;;
             packages) names=("${PACKAGES[@]}") ;;
             scipy) names=("${SCIPY[@]}") ;;
+            tools) names=("${TOOLS[@]}") ;;
         esac
         dir=$(mktemp -d)
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version $PYV --implementation cp \
@@ -109,7 +115,7 @@ make_venv() {
 }
 
 install() {
-    (( $# )) || { echo "install needs parts: triton, packages, scipy" >&2; exit 2; }
+    (( $# )) || { echo "install needs parts: triton, packages, scipy, tools" >&2; exit 2; }
     make_venv
     local site part
     site=$(site_packages)
@@ -230,6 +236,19 @@ engine() {  # issue 10's table: the talker tick beside moshi's LMGen, in one ses
     python bench/gpu_step.py --from-json "$out/gpu_step.json" --anchor "$out/moshi_anchor.json" --out "$out"
 }
 
+profile() {  # py-spy of one stage's stub at load: every thread with idle time, then the GIL's holder
+    environment
+    local stage=${1:?profile needs STAGE (talker or code2wav), SECONDS and DIR} seconds=${2:?} out=${3:?} pid
+    command -v py-spy > /dev/null || { echo "no py-spy here: carry $BUNDLE/tools.tar.xz and run" \
+        "'scripts/gpu_host.sh install tools'" >&2; exit 1; }
+    # the stub's command line names its model: .../talker/1/model.py
+    pid=$(pgrep -f "triton_python_backend_stub.*/$stage/1/model.py" | head -1) || true
+    [ -n "$pid" ] || { echo "no $stage stub is running" >&2; exit 1; }
+    mkdir -p "$out"
+    py-spy record -p "$pid" -d "$seconds" -r 200 --idle --threads -f raw -o "$out/$stage-threads.txt"
+    py-spy record -p "$pid" -d "$seconds" -r 200 --gil --threads -f raw -o "$out/$stage-gil.txt"
+}
+
 case "${1:-}" in
     bundle) bundle ;;
     install) shift; install "$@" ;;
@@ -240,9 +259,10 @@ case "${1:-}" in
     bench) shift; bench "$@" ;;
     bench-long) shift; bench_long "$@" ;;
     engine) engine "${2:-}" ;;
+    profile) shift; profile "$@" ;;
     traces) mkdir -p "${2:?traces needs a folder}"  # the frame traces and the server's log (each start's stall)
         tar -C "$(dirname "$TRACE_DIR")" -cf - "$(basename "$TRACE_DIR")" tritonserver.log | xz -T0 -6 > "$2/trace.tar.xz" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;
-    *) sed -n '2,35p' "$0"; exit 2 ;;
+    *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac

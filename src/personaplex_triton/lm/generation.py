@@ -144,12 +144,12 @@ class SlotGenerator:
         `embeddings` [b, 1, dim] (None: no row embeds). Returns (out [b, STREAMS + 1]: each
         row's tokens, then whether it has output; input embeddings [b, 1, dim])."""
         b = packed.shape[0]
-        rows = packed[:, SLOT]
-        first = int(rows[0]) if not self.graphs.enabled else None
         # On a CPU each of the step's ~1000 small ops pays PyTorch's dispatch; inference mode
         # skips their autograd and version-counter bookkeeping (a tenth of the tick). A GPU
         # replays a graph. (Not `inference_mode(False)`: that turns grad mode on.)
         cpu_only = torch.inference_mode() if self.device.type == "cpu" else contextlib.nullcontext()
+        rows = None if self.graphs.enabled else packed[:, SLOT]
+        first = None if rows is None else int(rows[0])
         if first is not None and torch.equal(rows, torch.arange(first, first + b)):
             # consecutive slots (one conversation, say): the modules see the pool's own rows
             self._carry, self._filled = None, None
@@ -159,7 +159,7 @@ class SlotGenerator:
             seen = self.states.consecutive(first, b)
         else:
             self._carry = self.states.carried(b)
-            self._filled = None if self.graphs.enabled or self.ring_attention else \
+            self._filled = None if rows is None or self.ring_attention else \
                 int(self.states.end_offsets()[rows.to(self.device)].max())
             seen = self._carry.seen()
         with seen, cpu_only:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from ..core import loaders
@@ -35,7 +36,7 @@ from .model_step import ModelStep
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
 from .step_graphs import StepGraphs
-from .step_inputs import ACTIVE, SLOT, STREAMS, StepInputs, unpack
+from .step_inputs import ACTIVE, HAS_OUTPUT, SLOT, STREAMS, StepInputs, unpack
 from .token_grid import NUM_AUDIO, TokenGrid
 
 __all__ = ["SlotGenerator", "StepInputs"]
@@ -136,13 +137,14 @@ class SlotGenerator:
         Under CUDA graphs they are views of the graph's own buffers, which the next step overwrites.
         """
         out, emb = self.run_step(inputs.pack(), inputs.embeddings)
-        return out[:, :STREAMS], out[:, STREAMS].bool(), emb
+        return out[:, :STREAMS], out[:, HAS_OUTPUT].bool(), emb
 
     @torch.no_grad()
     def run_step(self, packed: torch.Tensor, embeddings: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`step` of packed inputs (step_inputs.py: [b, COLUMNS] int64, on the host) and
-        `embeddings` [b, 1, dim] (None: no row embeds). Returns (out [b, STREAMS + 1]: each
-        row's tokens, then whether it has output; input embeddings [b, 1, dim])."""
+        `embeddings` [b, 1, dim] (None: no row embeds). Returns (out [b, OUT_COLUMNS]: each
+        row's tokens, whether it has output (HAS_OUTPUT) and the position it stepped at
+        (POSITION); input embeddings [b, 1, dim])."""
         b = packed.shape[0]
         # On a CPU each of the step's ~1000 small ops pays PyTorch's dispatch; inference mode
         # skips their autograd and version-counter bookkeeping (a tenth of the tick). A GPU
@@ -165,12 +167,12 @@ class SlotGenerator:
         with seen, cpu_only:
             return self.graphs.run((b, self.top_k_text_bound, self.top_k_bound), packed, embeddings)
 
-    def force_user(self, slots: list[int], positions: torch.Tensor, codes: torch.Tensor) -> None:
-        """The user's codes [len(slots), 8] of the steps these slots took at `positions` with
-        `user_later`: a step's samples do not depend on them (the depformer skips the user's
-        codebooks), but the slot's next step reads them, so call this before it."""
-        self.grid.force(torch.tensor(slots, device=self.device), positions.to(self.device),
-                        slice(1 + NUM_AUDIO, None), codes.to(self.device))
+    def force_user(self, slots: list[int], positions: np.ndarray, codes: torch.Tensor) -> None:
+        """The user's codes [len(slots), 8] of the steps these slots took at `positions` (on the
+        host: `run_step`'s POSITION column) with `user_later`: a step's samples do not depend on
+        them (the depformer skips the user's codebooks), but the slot's next step reads them, so
+        call this before it."""
+        self.grid.force(slots, positions, slice(1 + NUM_AUDIO, None), codes)
 
     def _step(self, packed: torch.Tensor, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step of packed inputs on the device: the carried rows' streaming state in, the token
@@ -188,7 +190,7 @@ class SlotGenerator:
         tokens, has_output = self.grid.write(rows, o, active, sampled, target_provided)
         if self._carry is not None:
             self._carry.store(self._filled)
-        return torch.cat([tokens, has_output[:, None].long()], dim=1), emb
+        return torch.cat([tokens, has_output[:, None].long(), o[:, None]], dim=1), emb
 
     def _no_embeddings(self, b: int) -> torch.Tensor:
         """A step's embeddings [b, 1, dim] when no row embeds (zeros; graphs copy none)."""

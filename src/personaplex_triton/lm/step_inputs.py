@@ -22,6 +22,7 @@ SLOT, ACTIVE, EMBED = 0, 1, 2  # the packed columns: row i's slot, whether it st
 FORCED = slice(3, 3 + STREAMS)  # the tokens forced at the step's position
 IS_FORCED = slice(3 + STREAMS, 3 + 2 * STREAMS)  # where they are forced
 COLUMNS = 3 + 2 * STREAMS
+HAS_OUTPUT, POSITION = STREAMS, STREAMS + 1  # a step's output columns after its tokens (run_step)
 
 
 @dataclass

@@ -15,6 +15,7 @@ GPU would each cost a kernel launch).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 NUM_AUDIO = 8  # codebooks per audio stream
@@ -24,6 +25,8 @@ class TokenGrid:
     def __init__(self, num_slots: int, delays: list[int], initial: torch.Tensor, ungenerated: int, device):
         self.device = torch.device(device)
         self.delays = torch.tensor(delays, dtype=torch.long, device=self.device)
+        self._host_delays = np.array(delays, dtype=np.int64)  # `force` builds its index on the host
+        self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self.max_delay = int(max(delays))
         self.ring = self.max_delay + 3
         self.num_codebooks = K = len(delays)
@@ -108,13 +111,16 @@ class TokenGrid:
         self.offset[0] = o0 + M
         return previous, target_provided
 
-    def force(self, slots: torch.Tensor, o: torch.Tensor, streams: slice, values: torch.Tensor) -> None:
-        """Force `values` [len(slots), streams] at o + delay, as a step at position o would have."""
-        delays = self.delays[streams]
-        positions = (o[:, None] + delays[None, :]) % self.ring
-        index = slots[:, None], torch.arange(self.num_codebooks, device=self.device)[streams][None, :], positions
-        self.cache[index] = values
-        self.provided[index] = True
+    def force(self, slots, o, streams: slice, values: torch.Tensor) -> None:
+        """Force `values` [len(slots), streams] at o + delay, as a step at position o would have.
+        `slots` and `o` (each slot's position) are on the host: the index is built there and
+        reaches the device in one copy (each PyTorch call lets other threads take the GIL)."""
+        books = np.arange(self.num_codebooks)[streams]
+        positions = (np.asarray(o)[:, None] + self._host_delays[streams][None, :]) % self.ring
+        index = np.stack(np.broadcast_arrays(np.asarray(slots)[:, None], books[None, :], positions))
+        rows, codebooks, at = torch.from_numpy(index.reshape(3, -1)).to(self.device).unbind()
+        self.cache.index_put_((rows, codebooks, at), values.reshape(-1).to(self.cache))
+        self.provided.index_put_((rows, codebooks, at), self._true)
 
     def write(self, rows: torch.Tensor, o, active, sampled, target_provided):
         """Samples fill position o where nothing was forced; o - 1 is done; active rows move on

@@ -32,7 +32,7 @@ from ..lm.generation import SlotGenerator
 from ..lm.graph_capture import capture_graphs
 from ..lm.prefill import prefill_pieces, run_pieces
 from ..lm.sampling import SamplingParams
-from ..lm.step_inputs import STREAMS, tick_inputs
+from ..lm.step_inputs import HAS_OUTPUT, POSITION, tick_inputs
 from ..lm.token_grid import NUM_AUDIO
 from ..mimi.runtime import StepRunner
 from ..mimi.stream import MimiSlots
@@ -317,13 +317,14 @@ class Talker:
         # One packed copy in and one out (step_inputs.py): each PyTorch call lets the stub's
         # other threads take the GIL, and the tick waits to get it back.
         packed = torch.from_numpy(tick_inputs(self.slot_table(slots), len(slots), user))
-        positions = self.generator.grid.offset[slots].clone() if later else None  # before the step moves them
         before_step = torch.cuda.current_stream(self.device).record_event() if self._encode_stream else None
         out, _ = self.generator.run_step(packed)
-        if self._encode_stream is not None:  # queued while the step runs: the host goes on to wait for it
-            self._encodings.append((self._queue_encode(user_frames, before_step), slots, positions))
-        out = out.cpu().numpy()
-        answered = [(i, s) for i, s in enumerate(slots) if out[i, STREAMS]]
+        queued = self._queue_encode(user_frames, before_step) if self._encode_stream is not None else None
+        out = out.cpu().numpy()  # the encode was queued first: it runs while the host waits for this
+        positions = out[:len(slots), POSITION]  # where each slot stepped, where its user codes go
+        if queued is not None:
+            self._encodings.append((queued, slots, positions))
+        answered = [(i, s) for i, s in enumerate(slots) if out[i, HAS_OUTPUT]]
         tick = (next(self._ticks), len(answered))
         answers = {s: AgentStep(out[i, 1:1 + NUM_AUDIO].copy(), int(out[i, 0]), tick) for i, s in answered}
         if self._encoder is not None:  # once the answers are out of the step, which the encode would otherwise delay

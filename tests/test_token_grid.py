@@ -53,3 +53,27 @@ def test_play_forced_equals_the_steps_one_by_one(offset, steps, provided):
         assert torch.equal(at_once.cache, by_step.cache)
         assert torch.equal(at_once.provided, by_step.provided)
     assert int(at_once.offset[0]) == int(by_step.offset[0]) == offset + steps
+
+
+def test_force_writes_the_user_codes_where_a_step_at_each_position_would_have():
+    """`force` (the user's codes after a tick, its index built on the host) writes each slot's
+    values at its own position + delay and flags them provided, as `read` forcing them at that
+    step does; every other entry, and every other slot, is left as it was."""
+    gen = torch.Generator().manual_seed(3)
+    user = slice(1 + 8, None)
+    slots, positions = [2, 0], [5, 12]
+    values = torch.randint(0, 2048, (2, 8), generator=gen)
+    forced = TokenGrid(4, DELAYS, torch.arange(100, 100 + K), ungenerated=-2, device="cpu")
+    forced.cache[:] = torch.randint(0, 50, forced.cache.shape, generator=gen)
+    stepped = TokenGrid(4, DELAYS, torch.arange(100, 100 + K), ungenerated=-2, device="cpu")
+    stepped.cache[:], stepped.provided[:] = forced.cache, forced.provided
+    forced.force(slots, positions, user, values)
+    for slot, o, codes in zip(slots, positions, values):
+        tokens = torch.zeros(1, K, dtype=torch.long)
+        tokens[0, user] = codes
+        where = torch.zeros(1, K, dtype=torch.bool)
+        where[0, user] = True
+        stepped.offset[slot] = o
+        stepped.read(torch.tensor([slot]), torch.ones(1, dtype=torch.bool), tokens, where)
+    assert torch.equal(forced.cache, stepped.cache) and torch.equal(forced.provided, stepped.provided)
+    assert int(forced.provided.sum()) == len(slots) * 8

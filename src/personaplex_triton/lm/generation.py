@@ -36,8 +36,8 @@ from .model_step import ModelStep
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
 from .step_graphs import StepGraphs
-from .step_inputs import ACTIVE, HAS_OUTPUT, SLOT, STREAMS, StepInputs, unpack
-from .token_grid import NUM_AUDIO, TokenGrid
+from .step_inputs import ACTIVE, HAS_OUTPUT, SLOT, STREAMS, USER, StepInputs, unpack
+from .token_grid import TokenGrid
 
 __all__ = ["SlotGenerator", "StepInputs"]
 
@@ -142,7 +142,7 @@ class SlotGenerator:
     @torch.no_grad()
     def run_step(self, packed: torch.Tensor, embeddings: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`step` of packed inputs (step_inputs.py: [b, COLUMNS] int64, on the host) and
-        `embeddings` [b, 1, dim] (None: no row embeds). Returns (out [b, OUT_COLUMNS]: each
+        `embeddings` [b, 1, dim] (None: no row embeds). Returns (out [b, STREAMS + 2]: each
         row's tokens, whether it has output (HAS_OUTPUT) and the position it stepped at
         (POSITION); input embeddings [b, 1, dim])."""
         b = packed.shape[0]
@@ -172,7 +172,7 @@ class SlotGenerator:
         host: `run_step`'s POSITION column) with `user_later`: a step's samples do not depend on
         them (the depformer skips the user's codebooks), but the slot's next step reads them, so
         call this before it."""
-        self.grid.force(slots, positions, slice(1 + NUM_AUDIO, None), codes)
+        self.grid.force(slots, positions, USER, codes)
 
     def _step(self, packed: torch.Tensor, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step of packed inputs on the device: the carried rows' streaming state in, the token

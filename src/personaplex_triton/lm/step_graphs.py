@@ -66,8 +66,8 @@ class StepGraphs:
         graph is captured on first use."""
         b = packed.shape[0]
         if not self.enabled:
-            device = self._no_embeddings(b).device
-            return self.step(packed.to(device), self._no_embeddings(b) if embeddings is None else embeddings.to(device))
+            zeros = self._no_embeddings(b)
+            return self.step(packed.to(zeros.device), zeros if embeddings is None else embeddings.to(zeros.device))
         graph = self._graphs.get(key)
         if graph is None:
             # A CUDA graph freed while another is being captured (by a garbage collection of

@@ -23,6 +23,7 @@ FORCED = slice(3, 3 + STREAMS)  # the tokens forced at the step's position
 IS_FORCED = slice(3 + STREAMS, 3 + 2 * STREAMS)  # where they are forced
 COLUMNS = 3 + 2 * STREAMS
 HAS_OUTPUT, POSITION = STREAMS, STREAMS + 1  # a step's output columns after its tokens (run_step)
+USER = slice(1 + NUM_AUDIO, STREAMS)  # the user's codebooks among the streams
 
 
 @dataclass
@@ -56,8 +57,6 @@ class StepInputs:
                                          dim=1).cpu()
         return packed
 
-
-USER = slice(1 + NUM_AUDIO, STREAMS)  # the user's codebooks among the streams
 
 
 def tick_inputs(table: np.ndarray, carried: int, user_codes: np.ndarray | None = None) -> np.ndarray:

@@ -24,7 +24,7 @@
 #   scripts/gpu_host.sh engine [DIR] # there, no server up (packages and a tokenizer suffice): the
 #                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
 #   scripts/gpu_host.sh profile STAGE SECONDS DIR  # there, against it (the tools part): py-spy of STAGE's stub
-#                                    # (talker or code2wav) for SECONDS, every thread, then the GIL's holder,
+#                                    # (talker or code2wav) for SECONDS, every thread and the GIL's holder at once,
 #                                    # raw collapsed stacks in DIR
 #   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
 #                                    # (to read them here: python -m bench.slow_ticks, bench/ticks.py, core/trace.py)
@@ -236,7 +236,7 @@ engine() {  # issue 10's table: the talker tick beside moshi's LMGen, in one ses
     python bench/gpu_step.py --from-json "$out/gpu_step.json" --anchor "$out/moshi_anchor.json" --out "$out"
 }
 
-profile() {  # py-spy of one stage's stub at load: every thread with idle time, then the GIL's holder
+profile() {  # py-spy of one stage's stub at load: every thread with idle time, and the GIL's holder
     environment
     local stage=${1:?profile needs STAGE (talker or code2wav), SECONDS and DIR} seconds=${2:?} out=${3:?} pid
     command -v py-spy > /dev/null || { echo "no py-spy here: carry $BUNDLE/tools.tar.xz and run" \
@@ -245,8 +245,13 @@ profile() {  # py-spy of one stage's stub at load: every thread with idle time, 
     pid=$(pgrep -f "triton_python_backend_stub.*/$stage/1/model.py" | head -1) || true
     [ -n "$pid" ] || { echo "no $stage stub is running" >&2; exit 1; }
     mkdir -p "$out"
-    py-spy record -p "$pid" -d "$seconds" -r 200 --idle --threads -f raw -o "$out/$stage-threads.txt"
-    py-spy record -p "$pid" -d "$seconds" -r 200 --gil --threads -f raw -o "$out/$stage-gil.txt"
+    # --nonblocking: the stub is not stopped to be read, so the run's latencies still count;
+    # both records run at once, over the same seconds
+    py-spy record -p "$pid" -d "$seconds" -r 200 --nonblocking --idle --threads -f raw \
+        -o "$out/$stage-threads.txt" > /dev/null &
+    py-spy record -p "$pid" -d "$seconds" -r 200 --nonblocking --gil --threads -f raw \
+        -o "$out/$stage-gil.txt" > /dev/null
+    wait
 }
 
 case "${1:-}" in

@@ -36,8 +36,15 @@ def persona_for(conversation: int) -> Persona:
 
 def new_persona(tag: str) -> Persona:
     """A persona no earlier conversation used (its role prompt names `tag`): the server has
-    no cached prefill for it."""
-    return dataclasses.replace(PERSONA, text_prompt=f"{PERSONA.text_prompt} Your booking code is {tag}.")
+    no cached prefill for it. The tag is spelled in letters: a small tokenizer (the generated
+    checkpoints') reads every digit as the same unknown token, which made the prompts of
+    different tags one persona to the server's cache."""
+    return dataclasses.replace(PERSONA, text_prompt=f"{PERSONA.text_prompt} Your booking code is {spelled(tag)}.")
+
+
+def spelled(tag: str) -> str:
+    """`tag` with each digit as a letter (0 a, 1 b, ... 9 j) and anything else not a letter as a space."""
+    return "".join(chr(ord("a") + int(c)) if c.isdigit() else c if c.isalpha() else " " for c in tag).strip()
 
 
 def persona_values(persona: Persona) -> dict[str, object]:

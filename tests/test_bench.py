@@ -131,6 +131,18 @@ def test_plan_ages_every_conversation_and_turns_the_last_seat_over_to_new_person
     assert [t.persona.seed for t in talks[:3]] == [0, 1, 2]
     last = loadgen.plan(2, 50, new_persona_last=True, tag="x")[-1]
     assert last.new and last.start_s == loadgen.NEW_PERSONA_AFTER_S and "x" in last.persona.text_prompt
+
+
+def test_new_personas_are_new_to_the_servers_cache_under_the_generated_tokenizer(tiny_checkpoint):
+    """The persona cache keys on the prompt's tokens: the tiny tokenizer reads every digit as
+    one unknown token, so tags that differ only in digits must still give other tokens."""
+    import sentencepiece
+
+    tokenizer = sentencepiece.SentencePieceProcessor(model_file=str(tiny_checkpoint / "tokenizer_spm_32k_3.model"))
+    tags = ["64-1796490002593802-1", "64-1796490002593802-2", "64-1796490002593802-12"]
+    tokens = {tuple(tokenizer.encode(workload.new_persona(tag).text_prompt)) for tag in tags}
+    assert len(tokens) == len(tags)
+    assert workload.spelled("64-1x") == "ge bx"
     assert [t.new for t in loadgen.plan(1, 50, persona_every_s=1.0)] == [False]  # one seat: no newcomer
     with pytest.raises(ValueError, match="none would arrive within 3.04 s"):
         loadgen.plan(2, 38, persona_every_s=2.0)

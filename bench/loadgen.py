@@ -36,7 +36,7 @@ from personaplex_stream.stream import _send_frames
 from personaplex_triton.core import trace
 from personaplex_triton.serving.serving import starts_in_log
 
-from . import gpu_telemetry, stats, ticks, workload
+from . import gpu_telemetry, stats, steal, ticks, workload
 from .workload import new_persona, persona_for
 
 Log = Callable[[str], None]
@@ -273,12 +273,23 @@ def add_traces(row: dict, trace_dir, served: list[Outcome], go: float, aged: int
 def add_gpu_telemetry(row: dict, samples: list[dict], go: float) -> None:
     """The GPU's figures (gpu_telemetry.window_figures) over the level started at `go` and over
     each of its windows, where nvidia-smi sampled any."""
+    _add_sampled(row, "gpu", gpu_telemetry.window_figures, samples, go)
+
+
+def add_host_cpu(row: dict, samples: list[dict], go: float) -> None:
+    """The host's CPU busy and steal % (steal.window_figures) over the level started at `go` and
+    over each of its windows, where /proc/stat was sampled."""
+    _add_sampled(row, "host", steal.window_figures, samples, go)
+
+
+def _add_sampled(row: dict, key: str, figures: Callable, samples: list[dict], go: float) -> None:
+    """row[key] and each window's [key]: `figures(samples, start, end)` over the level and over the window."""
     if not samples:
         return
-    row["gpu"] = gpu_telemetry.window_figures(samples, go, float("inf"))
+    row[key] = figures(samples, go, float("inf"))
     for window in row["windows"]:
         start = go + window["start_s"]
-        window["gpu"] = gpu_telemetry.window_figures(samples, start, start + WINDOW_S)
+        window[key] = figures(samples, start, start + WINDOW_S)
 
 
 def add_starts(row: dict, server_log: Path, go: float, end: float) -> None:
@@ -317,17 +328,19 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
     frames are followed through the stages and each stage's ticks counted, over the level and per
     window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level. Where
     nvidia-smi runs, the GPU's clocks, power and temperatures are sampled along each level
-    (add_gpu_telemetry). `server_log`: the server's log, for the talker's starts (add_starts)."""
+    (add_gpu_telemetry), and the host's CPU busy and steal time from /proc/stat, GPU or not
+    (add_host_cpu). `server_log`: the server's log, for the talker's starts (add_starts)."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
         log(f"[load] {n} conversation(s) at once, {frames} frames each, one every 80 ms"
             + (f", after {aged} frames unpaced" if aged else "")
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
-        with gpu_telemetry.GpuTelemetry() as gpu:
+        with gpu_telemetry.GpuTelemetry() as gpu, steal.CpuSampler() as host:
             outcomes, go = conversations(url, talks, log)
         row = load_row(n, outcomes, go, pool)
         add_gpu_telemetry(row, gpu.samples, go)
+        add_host_cpu(row, host.samples, go)
         served = [o for o in outcomes if o.error is None]
         if trace_dir is not None and served:
             add_traces(row, trace_dir, served, go, aged)

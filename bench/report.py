@@ -258,7 +258,7 @@ def _load_section(result: dict) -> list[str]:
     lines += _starts_table(rows)
     lines += _windows_table(rows)
     lines += _windows_trace_table(rows)
-    lines += _windows_gpu_table(rows)
+    lines += _windows_gpu_and_host_table(rows)
     lines += _ticks_table(rows)
     if aged and any(r.get("ticks") for r in rows):
         lines += ["Where a frame's time goes, segment by segment, is left out with an aged context: the traces "
@@ -368,27 +368,33 @@ def _windows_trace_table(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def _windows_gpu_table(rows: list[dict]) -> list[str]:
-    """Per window along each level's run, the GPU as nvidia-smi saw it (loadgen.add_gpu_telemetry):
-    a card that slows shows here, beside the latency it causes."""
-    sampled = [r for r in rows if r.get("gpu")]
+def _windows_gpu_and_host_table(rows: list[dict]) -> list[str]:
+    """Per window along each level's run, the GPU as nvidia-smi saw it (loadgen.add_gpu_telemetry)
+    and the host's CPUs as /proc/stat did (loadgen.add_host_cpu): a card that slows, or cores that
+    are busy or taken by the hypervisor, show here beside the latency they cause."""
+    sampled = [r for r in rows if r.get("gpu") or r.get("host")]
     if not sampled:
         return []
-    lines = ["### Along the run, the GPU", "",
-             "nvidia-smi once a second, the samples taken in the window: SM clock median (lowest), memory clock, "
-             "power, GPU and memory temperature, utilisation (medians), and the clock limit reasons seen "
-             "(nvidia-smi's `clocks_event_reasons` bits, or'd; 0x0 or 0x1, idle, is none).", "",
+    lines = ["### Along the run, the GPU and the host", "",
+             "Once a second, the samples taken in the window. Where nvidia-smi runs, the GPU: SM clock median "
+             "(lowest), memory clock, power, GPU and memory temperature, utilisation (medians), and the clock "
+             "limit reasons seen (nvidia-smi's `clocks_event_reasons` bits, or'd; 0x0 or 0x1, idle, is none). "
+             "From /proc/stat, the host's CPU time over all its cores, each second's share: busy (all but idle "
+             "and iowait, steal included) and steal (taken by the hypervisor for other guests), median (highest "
+             "second) %.", "",
              "| conv. | from (s) | p99 (over 80 ms) | SM MHz (lowest) | memory MHz | power (W) | GPU / memory (C) "
-             "| utilisation (%) | limit reasons |",
-             "|" + " ---: |" * 8 + " --- |"]
+             "| utilisation (%) | limit reasons | host CPU busy % (max) | steal % (max) |",
+             "|" + " ---: |" * 8 + " --- |" + " ---: |" * 2]
     for r in sampled:
         for w in r["windows"]:
-            g = w.get("gpu")
-            if not g:
+            g, h = w.get("gpu"), w.get("host")
+            if not g and not h:
                 continue
-            lines.append(f"{_window_start(r, w)} | {_cell(g['sm_mhz'])} ({_cell(g['sm_mhz_min'])}) | "
-                         f"{_cell(g['mem_mhz'])} | {_cell(g['power_w'])} | {_cell(g['gpu_c'])} / {_cell(g['memory_c'])} | "
-                         f"{_cell(g['utilization'])} | {g['reasons'] or '-'} |")
+            gpu = (f"{_cell(g['sm_mhz'])} ({_cell(g['sm_mhz_min'])}) | {_cell(g['mem_mhz'])} | {_cell(g['power_w'])} | "
+                   f"{_cell(g['gpu_c'])} / {_cell(g['memory_c'])} | {_cell(g['utilization'])} | {g['reasons'] or '-'}"
+                   if g else "- | - | - | - | - | -")
+            host = f"{h['busy_pct']} ({h['busy_pct_max']}) | {h['steal_pct']} ({h['steal_pct_max']})" if h else "- | -"
+            lines.append(f"{_window_start(r, w)} | {gpu} | {host} |")
     return lines + [""]
 
 

@@ -1,6 +1,8 @@
 """The benchmark tools: their figures from known latencies and a perf_analyzer export (no
 server), then each tool once, briefly, against the real server."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -408,10 +410,10 @@ def test_persona_start_compares_two_trees_and_a_prefill_costs_more_than_the_cach
 
 
 def test_steal_is_the_share_of_cpu_time_the_hypervisor_took():
-    from bench.steal import StealSampler, cpu_times, steal_percent
+    from bench.steal import CpuTimes, StealSampler, cpu_times, steal_percent
 
-    assert steal_percent((10, 1000), (35, 1100)) == 25.0
-    assert steal_percent((10, 1000), (10, 1000)) == 0.0  # no time passed
+    assert steal_percent(CpuTimes(500, 10, 1000), CpuTimes(560, 35, 1100)) == 25.0
+    assert steal_percent(CpuTimes(500, 10, 1000), CpuTimes(500, 10, 1000)) == 0.0  # no time passed
     if cpu_times() is None:
         pytest.skip("this kernel's /proc/stat reports no steal time")
     with StealSampler(interval_s=0.05) as steal:
@@ -457,15 +459,76 @@ def test_gpu_telemetry_is_read_from_nvidia_smi_lines_and_summed_up_per_window():
     assert row["gpu"]["samples"] == 4 and row["gpu"]["reasons"] == "0x25"
     no_gpu = {"windows": [{"start_s": 0.0}]}
     loadgen.add_gpu_telemetry(no_gpu, [], go=100.0)  # no nvidia-smi: nothing added, no table
-    assert no_gpu == {"windows": [{"start_s": 0.0}]} and report._windows_gpu_table([no_gpu]) == []
+    assert no_gpu == {"windows": [{"start_s": 0.0}]} and report._windows_gpu_and_host_table([no_gpu]) == []
 
     for w, p99, late in zip(row["windows"], (50.0, 120.0, 40.0, 40.0), (0, 30, 0, 0)):
         w.update(frames=10, p99=p99, late=late)
-    table = report._windows_gpu_table([{**row, "conversations": 64}])
-    assert table[0] == "### Along the run, the GPU"
-    assert table[-4:] == ["| 64 | 0 | 50.0 (0) | 1867.5 (1755.0) | 2619.0 | 655.2 | 63.5 / 70.0 | 100.0 | 0x4 |",
-                          "| 64 | 10 | 120.0 (30) | 1410.0 (1410.0) | 2619.0 | 700.2 | 83.0 / 88.0 | 100.0 | 0x20 |",
-                          "| 64 | 20 | 40.0 (0) | 1980.0 (1980.0) | 2619.0 | 120.0 | 40.0 / 45.0 | 0.0 | 0x1 |", ""]
+    table = report._windows_gpu_and_host_table([{**row, "conversations": 64}])
+    assert table[0] == "### Along the run, the GPU and the host"
+    assert table[-4:] == [
+        "| 64 | 0 | 50.0 (0) | 1867.5 (1755.0) | 2619.0 | 655.2 | 63.5 / 70.0 | 100.0 | 0x4 | - | - |",
+        "| 64 | 10 | 120.0 (30) | 1410.0 (1410.0) | 2619.0 | 700.2 | 83.0 / 88.0 | 100.0 | 0x20 | - | - |",
+        "| 64 | 20 | 40.0 (0) | 1980.0 (1980.0) | 2619.0 | 120.0 | 40.0 / 45.0 | 0.0 | 0x1 | - | - |", ""]
+
+
+def test_host_cpu_is_read_from_proc_stat_lines_and_summed_up_per_window():
+    """Each second's busy % (all but idle and iowait, steal included) and steal % of all cores'
+    time, from the difference of two /proc/stat readings; per window their median and highest."""
+    from bench import steal
+
+    # user nice system idle iowait irq softirq steal guest guest_nice; guest is already in user
+    texts = ["cpu  1000 0 1000 8000 0 0 0 0 400 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 1\n",
+             "cpu  1300 100 1100 8300 100 0 50 50 700 0\n",   # +1000: busy 600 (60%), steal 50 (5%)
+             "cpu  1400 100 1100 9000 150 0 50 200 700 0\n",  # +1000: busy 250 (25%), steal 150 (15%)
+             "cpu  2200 100 1200 9100 150 0 50 200 700 0\n",  # +1000: busy 900 (90%), steal 0
+             "cpu  2400 100 1200 9300 150 0 50 400 700 0\n"]  # +600: busy 400 (66.7%), steal 200 (33.3%)
+    readings = [steal.parse(text) for text in texts]
+    assert readings[0] == steal.CpuTimes(busy=2000, steal=0, total=10000)
+    assert steal.parse("cpu  1 2 3 4 5 6 7\n") is None  # a kernel that does not report steal
+    samples = [steal.interval(before, after, at)
+               for before, after, at in zip(readings, readings[1:], (100.5, 101.5, 102.5, 110.5))]
+    assert [(s["busy_pct"], s["steal_pct"]) for s in samples] == [(60.0, 5.0), (25.0, 15.0), (90.0, 0.0), (66.7, 33.3)]
+
+    row = {"windows": [{"start_s": 0.0}, {"start_s": 10.0}, {"start_s": 20.0}]}
+    loadgen.add_host_cpu(row, samples, go=100.0)
+    first, second, third = (w["host"] for w in row["windows"])
+    assert first == {"samples": 3, "busy_pct": 60.0, "busy_pct_max": 90.0, "steal_pct": 5.0, "steal_pct_max": 15.0}
+    assert second == {"samples": 1, "busy_pct": 66.7, "busy_pct_max": 66.7, "steal_pct": 33.3, "steal_pct_max": 33.3}
+    assert third is None
+    assert row["host"]["samples"] == 4 and row["host"]["busy_pct"] == 63.4 and row["host"]["steal_pct_max"] == 33.3
+
+    for w, p99, late in zip(row["windows"], (50.0, 120.0, 40.0), (0, 30, 0)):
+        w.update(frames=10, p99=p99, late=late)
+    table = report._windows_gpu_and_host_table([{**row, "conversations": 2}])  # a CPU machine: no GPU samples
+    assert table[0] == "### Along the run, the GPU and the host"
+    assert "| host CPU busy % (max) | steal % (max) |" in table[4]
+    assert table[-3:] == ["| 2 | 0 | 50.0 (0) | - | - | - | - | - | - | 60.0 (90.0) | 5.0 (15.0) |",
+                          "| 2 | 10 | 120.0 (30) | - | - | - | - | - | - | 66.7 (66.7) | 33.3 (33.3) |", ""]
+
+
+def test_cpu_sampler_keeps_each_interval_and_steal_sampler_the_whole_and_the_worst(monkeypatch):
+    """The sampler differences consecutive readings (placed at each interval's middle); StealSampler's
+    mean is the whole block's steal, its peak the worst interval's."""
+    import threading
+
+    from bench import steal
+
+    readings = [steal.CpuTimes(0, 0, 0), steal.CpuTimes(50, 10, 100), steal.CpuTimes(150, 70, 200)]
+    more = threading.Event()
+
+    def cpu_times():
+        if len(readings) == 1:  # the last reading stays, once the sampler has taken the others
+            more.set()
+            return readings[0]
+        return readings.pop(0)
+
+    monkeypatch.setattr(steal, "cpu_times", cpu_times)
+    with steal.StealSampler(interval_s=0.01) as sampler:
+        assert more.wait(5)
+    first, second = sampler.samples[:2]
+    assert (first["busy_pct"], first["steal_pct"], second["busy_pct"], second["steal_pct"]) == (50.0, 10.0, 100.0, 60.0)
+    assert first["t"] < second["t"]
+    assert sampler.mean == 35.0 and sampler.peak == 60.0 and sampler.whole["busy_pct"] == 75.0
 
 
 def test_near_starts_tells_what_a_new_persona_costs_the_others_apart():
@@ -540,3 +603,20 @@ def test_slow_ticks_set_beside_the_usual_ones_what_else_ran_meanwhile():
     assert "| slow | 1 | 80 | 2 | 50 | 0.03 | 0.03 | 3 | 60 |" in table
     with pytest.raises(ValueError, match="fewer than two ticks"):
         slow_ticks.slow_tick_figures(talker[:1], [], over_ms=60)
+
+
+def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint, tmp_path):
+    """bench/prefill_pieces.py on the CPU: every start prefills (no persona cache), in one
+    piece more than it has transformer passes, and its table says so."""
+    from bench import prefill_pieces
+
+    assert prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--name", "t"]) == 0
+    result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
+    starts = result["starts"]
+    assert [s["turn"] for s in starts] == [1, 2] * len(prefill_pieces.PROMPT_WORDS)
+    tokens = [s["prompt_tokens"] for s in starts[::2]]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    for s in starts:
+        assert sum(s["passes"]) == s["positions"] and len(s["pieces_ms"]) == len(s["passes"]) + 1
+        assert s["longest_ms"] == max(s["pieces_ms"]) > 0
+    assert "| first |" in next(tmp_path.glob("*-t.md")).read_text()

@@ -1,0 +1,181 @@
+"""A new persona's start piece by piece, in a talker built as served, by the role prompt's length.
+
+Served, a new persona's start runs in pieces between the live conversations' ticks
+(`Talker.begin_starts`), and its longest piece is what their frames wait for. On the H200 the
+first new persona with a role prompt took 176.6 ms (its longest piece 86.0 ms) and the next
+new one, of another length, 275.0 ms (126.5 ms). This bench starts, in the talker the served
+one is (`TalkerService`: the pool sized from the free memory, CUDA graphs, the checkpoint's
+voices played at load), personas whose role prompts take more and more tokens, each twice
+without a persona cache (so each start prefills), and times each piece to the end of its GPU
+work. Beside each start: the CUDA caching allocator's device allocations and retries (a retry
+frees its cache and synchronises), and the Triton kernels compiled, over the start.
+
+    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --name prefill-pieces-h200
+
+writes bench/results/<date>-<name>.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before moshi is imported
+
+import numpy as np
+import torch
+
+from bench import report
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+PROMPT_WORDS = (2, 6, 10, 16, 24, 34)  # role prompts of growing length: their prefills span one to three passes
+
+
+def prompt(words: int) -> str:
+    return "You are " + " ".join(WORDS[i % len(WORDS)] for i in range(words)) + "."
+
+
+def kernels_compiled() -> int:
+    """Triton kernels compiled so far for this library's `triton.jit` functions (0 without Triton)."""
+    from personaplex_triton.lm import fused_ops, ring_attention
+
+    count = 0
+    for module in (fused_ops, ring_attention):
+        for value in vars(module).values():
+            cache = getattr(value, "cache", None)  # triton's JITFunction: {device: {specialisation: kernel}}
+            if isinstance(cache, dict):
+                count += sum(len(kernels) for kernels in cache.values() if isinstance(kernels, dict))
+    return count
+
+
+def allocator(device: torch.device) -> tuple[int, int]:
+    """(device allocations, retries) of the CUDA caching allocator so far; (0, 0) on a CPU."""
+    if device.type != "cuda":
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+
+
+def timed_start(talker, slot: int, setup, device: torch.device) -> dict:
+    """Start `setup` in `slot` in pieces, each timed to the end of its GPU work."""
+    from personaplex_triton.lm.prefill import PREFILL_CHUNK
+    from personaplex_triton.stages.talker import prefill_program
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    allocs, retries = allocator(device)
+    kernels = kernels_compiled()
+    job, pieces = talker.begin_starts({slot: setup}), []
+    sync()
+    while True:
+        began = time.perf_counter()
+        done = job.advance()
+        sync()
+        pieces.append(round((time.perf_counter() - began) * 1000, 1))
+        if done:
+            break
+    if job.failed:
+        raise RuntimeError(f"the start failed: {job.failed}")
+    talker.stop(slot)
+    positions = sum(step.runs_model for step in prefill_program(setup.persona, talker.lm.initial_token_id))
+    allocs_after, retries_after = allocator(device)
+    return {"prompt_tokens": len(setup.persona.text_tokens), "positions": positions,
+            "passes": [min(PREFILL_CHUNK, positions - i) for i in range(0, positions, PREFILL_CHUNK)],
+            "pieces_ms": pieces, "ms": round(sum(pieces), 1), "longest_ms": max(pieces),
+            "device_allocs": allocs_after - allocs, "alloc_retries": retries_after - retries,
+            "kernels_compiled": kernels_compiled() - kernels}
+
+
+def run(checkpoint: str, device: str, max_conversations: str) -> tuple[list[dict], str]:
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.serving.serving import TalkerService
+    from personaplex_triton.stages.talker import TalkerSetup
+
+    # No persona cache: every start prefills, the same persona's second start too (the voices
+    # are still played once at load, as served, which warms what an empty role prompt runs).
+    service = TalkerService(checkpoint, max_conversations, device=device, persona_cache_size=0,
+                            warm_personas="all")
+    try:
+        voice = service.personas.default_voice
+        starts = []
+        for words in PROMPT_WORDS:
+            persona = service.personas.persona(voice, prompt(words))
+            for turn in (1, 2):
+                start = timed_start(service.talker, 0, TalkerSetup(persona, SamplingParams()), torch.device(device))
+                starts.append({"words": words, "voice": voice, "turn": turn, **start})
+        return starts, service.slots_why
+    finally:
+        service.close()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default="", help="default: $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-conversations", default="auto", help="the talker's pool, as its config parameter")
+    parser.add_argument("--name", default="prefill-pieces")
+    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
+    report.add_commit_argument(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from personaplex_triton.core import loaders
+
+    args = parse_args(argv)
+    started = report.now()
+    checkpoint = loaders.checkpoint_spec(args.checkpoint)
+    starts, pool = run(checkpoint, args.device, args.max_conversations)
+    result = {"command": "python -m bench.prefill_pieces " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": report.machine(), "device": args.device, "checkpoint": report.checkpoint_label(checkpoint),
+              "commit": args.commit or report.git_commit(), "started": started.isoformat(timespec="seconds"),
+              "pool": pool, "starts": starts}
+    report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
+    return 0
+
+
+def markdown(result: dict, plot_name: str) -> str:
+    m = result["machine"]
+    lines = [f"# A new persona's start, piece by piece ({result['started'][:10]}, {m['cpu']}, {m['cores']} cores"
+             f"{', ' + m['gpus'][0] if m['gpus'] else ''})", "",
+             f"- Command: `{result['command']}`", f"- Commit {result['commit']}, started {result['started']} UTC",
+             f"- Checkpoint {result['checkpoint']} on {result['device']}; the talker as served: {result['pool']}",
+             "- Each persona started twice, with no persona cache (each start prefills), in the order of the "
+             "table. Pieces: wall time of each `StartJob.advance`, to the end of its GPU work (ms); "
+             "passes: the prefill's transformer passes (positions each); allocations and retries: the CUDA "
+             "caching allocator's over the start; kernels: Triton kernels compiled over the start.", "",
+             "| prompt tokens | prefill positions | passes | start | pieces (ms) | whole (ms) | longest (ms) "
+             "| device allocations | allocator retries | kernels compiled |",
+             "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in result["starts"]:
+        lines.append(f"| {s['prompt_tokens']} | {s['positions']} | {', '.join(map(str, s['passes']))} | "
+                     f"{'first' if s['turn'] == 1 else 'second'} | {', '.join(map(str, s['pieces_ms']))} | {s['ms']} | "
+                     f"{s['longest_ms']} | {s['device_allocs']} | {s['alloc_retries']} | {s['kernels_compiled']} |")
+    return "\n".join(lines + ["", f"![pieces]({plot_name})", ""])
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for turn, marker in ((1, "o"), (2, "x")):
+        starts = [s for s in result["starts"] if s["turn"] == turn]
+        ax.plot([s["prompt_tokens"] for s in starts], [s["longest_ms"] for s in starts], marker=marker,
+                label=f"longest piece, {'first' if turn == 1 else 'second'} start of the length")
+    ax.set_xlabel("role prompt (tokens)")
+    ax.set_ylabel("ms")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"A new persona's start, piece by piece ({result['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -61,7 +61,6 @@ def allocator(device: torch.device) -> tuple[int, int]:
 
 def timed_start(talker, slot: int, setup, device: torch.device) -> dict:
     """Start `setup` in `slot` in pieces, each timed to the end of its GPU work."""
-    from personaplex_triton.lm.prefill import PREFILL_CHUNK
     from personaplex_triton.stages.talker import prefill_program
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -82,7 +81,7 @@ def timed_start(talker, slot: int, setup, device: torch.device) -> dict:
     positions = sum(step.runs_model for step in prefill_program(setup.persona, talker.lm.initial_token_id))
     allocs_after, retries_after = allocator(device)
     return {"prompt_tokens": len(setup.persona.text_tokens), "positions": positions,
-            "passes": [min(PREFILL_CHUNK, positions - i) for i in range(0, positions, PREFILL_CHUNK)],
+            "passes": talker.generator.prefill.lengths(positions),
             "pieces_ms": pieces, "ms": round(sum(pieces), 1), "longest_ms": max(pieces),
             "device_allocs": allocs_after - allocs, "alloc_retries": retries_after - retries,
             "kernels_compiled": kernels_compiled() - kernels}

@@ -281,7 +281,7 @@ def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once
     import numpy as np
 
     from personaplex_triton.core import loaders
-    from personaplex_triton.lm import prefill
+    from personaplex_triton.lm import prefill_graphs
     from personaplex_triton.mimi.runtime import open_step
     from personaplex_triton.stages.persona import Persona, VoicePrompt, load_voice
     from personaplex_triton.stages.talker import Talker, TalkerSetup
@@ -292,7 +292,7 @@ def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once
     live = TalkerSetup(Persona(voice, tuple(tokenizer.encode("Talk about cooking."))), SamplingParams(greedy=True))
     new = TalkerSetup(Persona(voice, tuple(tokenizer.encode("Be a wise teacher."))), SamplingParams(greedy=True))
     talker = Talker(loaders.get_lm(files, "cuda"), open_step("encoder", files, device="cuda"), tokenizer, SLOTS)
-    monkeypatch.setattr(prefill, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(prefill_graphs, "PREFILL_CHUNK", 8)
 
     def conversation(interleaved: bool):
         answers = {1: [], 2: []}
@@ -318,5 +318,47 @@ def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once
 
     try:
         assert conversation(interleaved=True) == conversation(interleaved=False)
+    finally:
+        talker.close()
+
+
+def test_a_graphed_prefill_leaves_the_slot_as_an_eager_one(files):
+    """A new persona's prefill passes under CUDA graphs (prefill_graphs.py: one slot's state and
+    the head of its ring gathered in the graph, written back) leave its slot's state as the same
+    passes run eagerly on the slot's row do, in fp32, and both then answer the same greedy tokens."""
+    import numpy as np
+
+    from personaplex_triton.core import loaders
+    from personaplex_triton.mimi.runtime import open_step
+    from personaplex_triton.stages.persona import Persona, load_voice
+    from personaplex_triton.stages.talker import PersonaCache, Talker, TalkerSetup
+
+    tokenizer = loaders.get_tokenizer(files)
+    persona = Persona(load_voice(files.voices / "NATF0.wav"),
+                      tuple(tokenizer.encode("You are a patient guide who explains each step of a recipe.")))
+    frames = (0.1 * np.random.default_rng(9).standard_normal((8, 1920))).astype(np.float32)
+    talker = Talker(loaders.get_lm(files, "cuda", torch.float32), open_step("encoder", files, device="cuda"),
+                    tokenizer, SLOTS)
+    talker.persona_cache = PersonaCache(0)  # each start prefills
+    prefill = talker.generator.prefill
+    try:
+        assert len(prefill) == 7
+        assert prefill.lengths(100) == [64, 32, 4]
+        setup = TalkerSetup(persona, SamplingParams(greedy=True))
+        talker.start(1, setup)
+        graphed = talker.generator.snapshot(1)
+        prefill.clear()  # the same passes, eagerly
+        talker.start(2, setup)
+        eager = talker.generator.snapshot(2)
+        assert torch.equal(graphed["grid"].cache, eager["grid"].cache)
+        for ours, theirs in zip(graphed["modules"], eager["modules"], strict=True):
+            assert ours.keys() == theirs.keys()
+            for name in ours.keys() - {"exec_mask"}:  # steps set it, each for its own rows
+                torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-4, msg=name)
+        answers = {1: [], 2: []}
+        for frame in frames:
+            for slot, step in talker.tick({1: frame, 2: frame}).items():
+                answers[slot].append((step.text_token, tuple(map(int, step.codes))))
+        assert answers[1] == answers[2] and answers[1]
     finally:
         talker.close()

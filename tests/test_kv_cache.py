@@ -125,3 +125,38 @@ def test_fp8_pool_snapshot_restore(lm):
             assert torch.equal(tokens[0], tokens[2])
     finally:
         gen.close()
+
+
+def test_a_pass_through_one_slots_buffers_with_a_short_ring_leaves_the_slot_as_a_pass_on_its_row(lm):
+    """prefill_graphs.py's graphed pass, run eagerly: one slot's state and the first 8 entries
+    of its 12-entry ring gathered into one-row buffers (slot_states.CarriedRows with `ring`),
+    two passes of the transformer there, written back: the slot holds what two passes on its
+    own row leave, entry for entry, while the prefill stays in the ring's head."""
+    gen = SlotGenerator(lm, 3, cuda_graphs=False)
+    try:
+        rng = torch.Generator().manual_seed(5)
+        chunks = [torch.randn(1, t, lm.dim, generator=rng) for t in (5, 3)]
+        gen.start_many({1: SamplingParams(), 2: SamplingParams()})
+        end = 0
+        for chunk in chunks:  # slot 1: on its own row (the eager path)
+            end += chunk.shape[1]
+            gen.prefill.run(1, chunk, end)
+        buffers = gen.states.one_slot(8)
+        for chunk in chunks:  # slot 2: through the buffers, as the graph does
+            buffers.load(torch.tensor([2]), torch.tensor([True]))
+            with buffers.seen():
+                lm.transformer(chunk)
+            buffers.store()
+        rings = 0
+        for state in gen.states.states():
+            for name, value in vars(state).items():
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == 3 and name != "exec_mask":
+                    assert torch.equal(value[1], value[2]), name
+            kv = getattr(state, "kv_cache", None)
+            if kv is not None:
+                rings += 1
+                assert kv.end_offset[1] == kv.end_offset[2] == 8
+                torch.testing.assert_close(kv.cache[:, 2, :, :8], kv.cache[:, 1, :, :8], rtol=0, atol=1e-6)
+        assert rings == len(lm.transformer.layers)
+    finally:
+        gen.close()

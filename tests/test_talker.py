@@ -294,12 +294,12 @@ def test_a_start_in_pieces_beside_a_ticking_conversation_answers_as_each_alone(t
                                                                                  monkeypatch):
     """A new persona's start in pieces (a transformer pass each, here of 8 positions), with
     another conversation ticking between the pieces: both answer exactly as each does alone."""
-    from personaplex_triton.lm import prefill
+    from personaplex_triton.lm import prefill_graphs
 
     live = setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=3)
     new = setup(wav_voice, talker.tokenizer, "You are a wise and friendly teacher.", seed=4)
     alone_live, alone_new = converse(talker, 0, live, user_frames), converse(talker, 0, new, user_frames)
-    monkeypatch.setattr(prefill, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(prefill_graphs, "PREFILL_CHUNK", 8)
     answers = {1: [], 2: []}
     talker.start(1, live)
     try:
@@ -325,13 +325,13 @@ def test_a_start_in_pieces_beside_a_ticking_conversation_answers_as_each_alone(t
 def test_a_start_waits_for_another_starts_prefill_of_its_persona(talker, wav_voice, user_frames, monkeypatch):
     """Two starts of one new persona begun apart (two passes of the engine): the second does
     not prefill it again but waits, then takes it from the cache; both answer as alone."""
-    from personaplex_triton.lm import prefill
+    from personaplex_triton.lm import prefill_graphs
     from personaplex_triton.stages.talker import PersonaCache
 
     persona = "You are a wise and friendly teacher."
     alone = {slot: converse(talker, 0, setup(wav_voice, talker.tokenizer, persona, seed=slot), user_frames)
              for slot in (1, 2)}
-    monkeypatch.setattr(prefill, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(prefill_graphs, "PREFILL_CHUNK", 8)
     talker.persona_cache = PersonaCache(2)
     try:
         first = talker.begin_starts({1: setup(wav_voice, talker.tokenizer, persona, seed=1)})
@@ -642,3 +642,18 @@ def test_compact_greedy_tokens_alone_and_beside_conversations_that_join_skip_and
     alone = compact_greedy_tokens(lm, lambda i: [])
     assert len(alone) > 190
     assert compact_greedy_tokens(lm, busy) == alone
+
+
+def test_a_prefill_runs_in_a_few_pass_lengths_under_graphs_and_in_chunks_eagerly(talker):
+    """Graphed, a prefill's passes are PREFILL_CHUNK positions each and the rest in powers of
+    two (a graph each, captured at load); eagerly (here, the CPU), chunks and the rest in one."""
+    from personaplex_triton.lm.prefill_graphs import all_pass_lengths, pass_lengths
+
+    assert all_pass_lengths() == [64, 32, 16, 8, 4, 2, 1]
+    for positions in range(300):
+        lengths = pass_lengths(positions)
+        assert sum(lengths) == positions and set(lengths) <= set(all_pass_lengths())
+        assert lengths == sorted(lengths, reverse=True) and len(lengths) <= positions // 64 + 6
+    assert pass_lengths(167) == [64, 64, 32, 4, 2, 1]
+    assert talker.generator.prefill.lengths(167) == [64, 64, 39]
+    assert len(talker.generator.prefill) == 0  # no CUDA here: no graph

@@ -33,6 +33,7 @@ from ..core import loaders
 from ..core.buckets import batch_buckets, bucket_for
 from . import fused_ops, kv_cache, ring_attention
 from .model_step import ModelStep
+from .prefill_graphs import PrefillPasses
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
 from .step_graphs import StepGraphs
@@ -77,10 +78,12 @@ class SlotGenerator:
         if ring and device.type == "cpu":
             kv_cache.read_filled(lm.transformer)
         self.states = SlotStates(lm.transformer, num_slots, indexed_kv=self.ring_attention)
+        self.prefill = PrefillPasses(lm, self.states, self.graphs.enabled, min(loaders.MAX_PREFILL_POSITIONS, lm.context))
         self._carry = None   # the CarriedRows of the step being run, None: consecutive slots' views
         self._filled = None  # moshi's attention: ring entries to gather (the CPU's steps)
 
     def close(self) -> None:
+        self.prefill.clear()
         self.graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
         self._streaming.__exit__(None, None, None)
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 def capture_graphs(generator: SlotGenerator) -> int:
     """Capture every graph serving can use (each batch bucket x top-k bucket) by running a
-    step with no slot active, which leaves every slot's state as it was. Returns how many."""
+    step with no slot active, which leaves every slot's state as it was, and a prefill's pass
+    of each length (prefill_graphs.py). Returns how many step graphs."""
     if not generator.graphs.enabled:
         return 0
     bounds = (generator.top_k_text_bound, generator.top_k_bound)
@@ -28,4 +29,5 @@ def capture_graphs(generator: SlotGenerator) -> int:
             for generator.top_k_bound in loaders.TOP_K_BUCKETS:
                 generator.run_step(idle)
     generator.top_k_text_bound, generator.top_k_bound = bounds
+    generator.prefill.capture()
     return len(generator.graphs)

@@ -4,9 +4,8 @@ Every token of a prefill step is forced, so its samples are never used and the d
 not run: the token grid plays all the steps at once on a CPU copy of the slot's row
 (`TokenGrid.play_forced`; step by step, a 7B persona's prefill spent half its time in the
 grid's tiny ops), then the temporal transformer takes all the steps' input embeddings in
-chunked passes, as an LLM takes a prompt. `prefill_pieces` yields before each pass, so that the
-engine can tick the live conversations between them (engine/starts.py); `run_pieces` runs them
-all.
+passes, as an LLM takes a prompt, each under a CUDA graph on a GPU (prefill_graphs.py). `prefill_pieces` yields before each pass, so that the engine can tick the
+live conversations between them (engine/starts.py); `run_pieces` runs them all.
 """
 
 from __future__ import annotations
@@ -17,12 +16,6 @@ import torch
 
 if TYPE_CHECKING:
     from .generation import SlotGenerator
-
-# Prefill positions per transformer pass, a piece of a start: PersonaPlex's prefill (a 199-frame
-# voice, silences, the role prompt) is about 230 positions, so 4 passes, each holding the live
-# conversations' ticks for a quarter of what one pass would.
-PREFILL_CHUNK = 64
-
 
 def run_pieces(pieces: Generator):
     """Run a generator of pieces to its end; what it returns."""
@@ -42,7 +35,7 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
     of its tokens' (a voice bundle); `restores`: step -> a ring buffer the grid takes after it.
     Returns the input embeddings [M, 1, dim]. Between pieces other slots may step: this slot's
     row is never among a step's carried rows (a graphed step pads its batch with rows that do
-    not step), and each pass sets the execution mask anew."""
+    not step), and each pass sets its execution mask anew."""
     if not len(tokens):
         return torch.zeros(0, 1, generator.lm.dim, device=generator.device)
     grid = generator.grid.row(slot, "cpu")
@@ -59,11 +52,9 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
     inputs = generator.embed(torch.cat(previous).to(generator.device))  # [M, 1, dim]
     if embeddings:
         inputs[list(embeddings), 0] = torch.stack(list(embeddings.values())).to(inputs)
-    exec_mask = torch.zeros(generator.num_slots, dtype=torch.bool, device=generator.device)
-    exec_mask[slot] = True
-    for chunk in inputs.transpose(0, 1).split(PREFILL_CHUNK, dim=1):
+    end = 0
+    for chunk in inputs.transpose(0, 1).split(generator.prefill.lengths(len(tokens)), dim=1):
         yield
-        generator.lm.set_exec_mask(exec_mask)
-        with generator.states.slot(slot):
-            generator.lm.transformer(chunk)
+        end += chunk.shape[1]
+        generator.prefill.run(slot, chunk, end)
     return inputs

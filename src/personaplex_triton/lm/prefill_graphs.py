@@ -1,0 +1,113 @@
+"""A persona prefill's transformer passes (prefill.py), under CUDA graphs: PREFILL_CHUNK
+positions a pass, then the rest in powers of two (`pass_lengths`), so that a handful of
+lengths serve every prefill, each with its graph, over whichever slot its slot table names.
+
+Eager on a GPU, a pass of the 7B model is launch-bound: 67-75 ms on an H100 whatever its
+length, and about 80 ms more the first time a length is seen, while the live conversations'
+ticks wait for it (bench/results/2026-12-05-prefill-pieces-h100.md). A graph replays in the
+time its kernels take. Inside the graph the slot's small streaming state and the head of its
+KV ring are gathered into one-row buffers, then written back (slot_states.CarriedRows): the
+head is the first `ring` entries, as many as the longest prefill fills
+(loaders.MAX_PREFILL_POSITIONS), and over it moshi's attention gives what it gives over the
+whole ring while the prefill is in its first lap. Off CUDA, with graphs off, or past the head,
+or of a length captured for none, a pass runs eagerly on the slot's own row.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from moshi.utils.compile import no_cuda_graph
+
+from .slot_states import SlotStates
+
+# Prefill positions per transformer pass at most, a power of two, a piece of a start:
+# PersonaPlex's prefill (a 199-frame voice, silences, the role prompt) is about 230 positions,
+# so 3 passes of 64 and the rest's, each holding the live conversations' ticks for a piece.
+PREFILL_CHUNK = 64
+
+
+def pass_lengths(positions: int) -> list[int]:
+    """The graphed passes of a prefill of `positions`: PREFILL_CHUNK each, then the rest in
+    powers of two, largest first."""
+    rest = positions % PREFILL_CHUNK
+    return [PREFILL_CHUNK] * (positions // PREFILL_CHUNK) + [bit for bit in all_pass_lengths() if rest & bit]
+
+
+def all_pass_lengths() -> list[int]:
+    """Every length `pass_lengths` gives: PREFILL_CHUNK and the powers of two below it."""
+    return [PREFILL_CHUNK >> i for i in range(PREFILL_CHUNK.bit_length())]
+
+
+class PrefillPasses:
+    def __init__(self, lm, states: SlotStates, enabled: bool, ring: int):
+        """`lm`: the streaming LMModel whose temporal transformer the passes run; `states`: its
+        slots' streaming states; `enabled`: under CUDA graphs; `ring`: the KV entries a graphed
+        pass may fill."""
+        self.lm, self.states, self.enabled, self.ring = lm, states, enabled, ring
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if enabled:
+            self._carried = states.one_slot(ring)
+            self._slot = torch.zeros(1, dtype=torch.long, device=lm.device)
+            self._active = torch.zeros(1, dtype=torch.bool, device=lm.device)
+            self._pool = torch.cuda.graph_pool_handle()  # the passes run one at a time: one pool for all
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def lengths(self, positions: int) -> list[int]:
+        """The passes of a prefill of `positions`: graphed, `pass_lengths`; eager, PREFILL_CHUNK
+        each and the rest in one (each eager pass costs its launches, whatever its length)."""
+        if self.enabled and positions <= self.ring:
+            return pass_lengths(positions)
+        return [min(PREFILL_CHUNK, positions - start) for start in range(0, positions, PREFILL_CHUNK)]
+
+    def run(self, slot: int, chunk: torch.Tensor, end: int) -> None:
+        """One pass of `chunk` [1, T, dim] (the steps' input embeddings) into `slot`, after which
+        its prefill has filled `end` positions."""
+        graphed = self._graphs.get(chunk.shape[1]) if end <= self.ring else None
+        if graphed is None:
+            exec_mask = torch.zeros(self.states.num_slots, dtype=torch.bool, device=chunk.device)
+            exec_mask[slot] = True
+            self.lm.set_exec_mask(exec_mask)
+            with self.states.slot(slot):
+                self.lm.transformer(chunk)
+            return
+        graph, inputs = graphed
+        self._slot.fill_(slot)
+        inputs.copy_(chunk)
+        graph.replay()
+
+    def capture(self) -> int:
+        """Capture the graph of each pass length, at load, before any conversation starts: the
+        captures run on slot 0 (moving it on by nothing, but writing past its end)."""
+        for length in all_pass_lengths() if self.enabled else ():
+            if length not in self._graphs:
+                gc.collect()  # as StepGraphs: a graph freed during another's capture spoils it
+                self._graphs[length] = self._capture(length)
+        return len(self)
+
+    def _pass(self, inputs: torch.Tensor) -> None:
+        self._carried.load(self._slot, self._active)
+        with self._carried.seen():
+            self.lm.transformer(inputs)
+        self._carried.store()
+
+    def _capture(self, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        device = self.lm.device
+        inputs = torch.zeros(1, length, self.lm.dim, device=device, dtype=next(self.lm.parameters()).dtype)
+        self._active.fill_(False)  # the warm-up moves no slot on (it writes ring entries past the end, unread)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), no_cuda_graph():  # a warm-up, as capture requires
+            self._pass(inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), no_cuda_graph():
+            self._pass(inputs)
+        self._active.fill_(True)
+        return graph, inputs
+
+    def clear(self) -> None:
+        self._graphs.clear()

@@ -78,7 +78,7 @@ class SlotGenerator:
         if ring and device.type == "cpu":
             kv_cache.read_filled(lm.transformer)
         self.states = SlotStates(lm.transformer, num_slots, indexed_kv=self.ring_attention)
-        self.prefill = PrefillPasses(lm, self.states, self.graphs.enabled, min(loaders.MAX_PREFILL_POSITIONS, lm.context))
+        self.prefill = PrefillPasses(lm, self.states, self.graphs.enabled)
         self._carry = None   # the CarriedRows of the step being run, None: consecutive slots' views
         self._filled = None  # moshi's attention: ring entries to gather (the CPU's steps)
 

@@ -5,12 +5,12 @@ lengths serve every prefill, each with its graph, over whichever slot its slot t
 Eager on a GPU, a pass of the 7B model is launch-bound: 67-75 ms on an H100 whatever its
 length, and about 80 ms more the first time a length is seen, while the live conversations'
 ticks wait for it (bench/results/2026-12-05-prefill-pieces-h100.md). A graph replays in the
-time its kernels take. Inside the graph the slot's small streaming state and the head of its
-KV ring are gathered into one-row buffers, then written back (slot_states.CarriedRows): the
-head is the first `ring` entries, as many as the longest prefill fills
-(loaders.MAX_PREFILL_POSITIONS), and over it moshi's attention gives what it gives over the
-whole ring while the prefill is in its first lap. Off CUDA, with graphs off, or past the head,
-or of a length captured for none, a pass runs eagerly on the slot's own row.
+time its kernels take. Inside the graph the slot's streaming state and its whole KV ring are
+gathered into one-row buffers, the pass runs there, and they are written back
+(slot_states.CarriedRows): the pass runs the eager pass's kernels on the same shapes. (With
+only the ring's head gathered, the state came out within 1e-4 in fp32 but the greedy tokens
+then differed: moshi's attention over a shorter ring rounds otherwise.) Off CUDA, with graphs
+off, or of a length captured for none, a pass runs eagerly on the slot's own row.
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ def all_pass_lengths() -> list[int]:
 
 
 class PrefillPasses:
-    def __init__(self, lm, states: SlotStates, enabled: bool, ring: int):
+    def __init__(self, lm, states: SlotStates, enabled: bool):
         """`lm`: the streaming LMModel whose temporal transformer the passes run; `states`: its
-        slots' streaming states; `enabled`: under CUDA graphs; `ring`: the KV entries a graphed
-        pass may fill."""
-        self.lm, self.states, self.enabled, self.ring = lm, states, enabled, ring
+        slots' streaming states; `enabled`: under CUDA graphs."""
+        self.lm, self.states, self.enabled = lm, states, enabled
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if enabled:
-            self._carried = states.one_slot(ring)
+            self._carried = states.one_slot()
             self._slot = torch.zeros(1, dtype=torch.long, device=lm.device)
             self._active = torch.zeros(1, dtype=torch.bool, device=lm.device)
             self._pool = torch.cuda.graph_pool_handle()  # the passes run one at a time: one pool for all
@@ -59,14 +58,13 @@ class PrefillPasses:
     def lengths(self, positions: int) -> list[int]:
         """The passes of a prefill of `positions`: graphed, `pass_lengths`; eager, PREFILL_CHUNK
         each and the rest in one (each eager pass costs its launches, whatever its length)."""
-        if self.enabled and positions <= self.ring:
+        if self.enabled:
             return pass_lengths(positions)
         return [min(PREFILL_CHUNK, positions - start) for start in range(0, positions, PREFILL_CHUNK)]
 
-    def run(self, slot: int, chunk: torch.Tensor, end: int) -> None:
-        """One pass of `chunk` [1, T, dim] (the steps' input embeddings) into `slot`, after which
-        its prefill has filled `end` positions."""
-        graphed = self._graphs.get(chunk.shape[1]) if end <= self.ring else None
+    def run(self, slot: int, chunk: torch.Tensor) -> None:
+        """One pass of `chunk` [1, T, dim] (the steps' input embeddings) into `slot`."""
+        graphed = self._graphs.get(chunk.shape[1])
         if graphed is None:
             exec_mask = torch.zeros(self.states.num_slots, dtype=torch.bool, device=chunk.device)
             exec_mask[slot] = True

@@ -64,11 +64,9 @@ class CarriedRows:
     `indexed_kv`: the KV caches stay the pool's, and each view's `kv_cache.rows` is the slot
     table the attention kernel reads (ring_attention.py). Otherwise (moshi's attention) each
     view gets a b-row ring: `load` gathers the carried rows' rings up to `filled` entries and
-    `store` writes them back up to one past it (the entry a step adds). `ring`: that ring's
-    length, the first entries of the pool's (None: all of it); while no carried row has written
-    past it, moshi's attention and ring positions over it are those over the whole ring."""
+    `store` writes them back up to one past it (the entry a step adds)."""
 
-    def __init__(self, full: list, num_slots: int, b: int, device, indexed_kv: bool, ring: int | None = None):
+    def __init__(self, full: list, num_slots: int, b: int, device, indexed_kv: bool):
         self.num_slots = num_slots
         self.indexed_kv = indexed_kv
         self.rows = torch.arange(b, device=device)  # the slot table; `load` copies a step's into it
@@ -85,9 +83,7 @@ class CarriedRows:
                 if indexed_kv:
                     kv_view.rows = self.rows
                 else:
-                    kv_view.capacity = kv.capacity if ring is None else min(ring, kv.capacity)
-                    two, _, heads, _, dim = kv.cache.shape
-                    kv_view.cache = kv.cache.new_zeros((two, b, heads, kv_view.capacity, dim))
+                    kv_view.cache = kv.cache.new_zeros((kv.cache.shape[0], b, *kv.cache.shape[2:]))
                 view.kv_cache = kv_view
             self.views.append((module, state, view))
 
@@ -102,8 +98,7 @@ class CarriedRows:
             if kv is not None:
                 view.kv_cache.end_offset.copy_(kv.end_offset[rows])
                 if not self.indexed_kv:
-                    ring = view.kv_cache.capacity
-                    n = ring if filled is None else min(filled, ring)
+                    n = kv.capacity if filled is None else min(filled, kv.capacity)
                     view.kv_cache.cache[:, :, :, :n] = kv.cache[:, rows, :, :n]
 
     def store(self, filled: int | None = None) -> None:
@@ -117,8 +112,7 @@ class CarriedRows:
             if kv is not None:
                 kv.end_offset[rows] = view.kv_cache.end_offset
                 if not self.indexed_kv:
-                    ring = view.kv_cache.capacity
-                    n = ring if filled is None else min(filled + 1, ring)
+                    n = kv.capacity if filled is None else min(filled + 1, kv.capacity)
                     kv.cache[:, rows, :, :n] = view.kv_cache.cache[:, :, :, :n]
 
     def seen(self):
@@ -144,11 +138,11 @@ class SlotStates:
             self._carried[b] = CarriedRows(self._full, self.num_slots, b, device, self.indexed_kv)
         return self._carried[b]
 
-    def one_slot(self, ring: int) -> CarriedRows:
-        """One row's buffers for moshi's attention, its ring the first `ring` entries of the
-        slot's (a persona's prefill under CUDA graphs, prefill_graphs.py)."""
+    def one_slot(self) -> CarriedRows:
+        """One row's buffers, with a whole ring, for moshi's attention (a persona's prefill under
+        CUDA graphs, prefill_graphs.py)."""
         device = self._full[0][1].exec_mask.device
-        return CarriedRows(self._full, self.num_slots, 1, device, indexed_kv=False, ring=ring)
+        return CarriedRows(self._full, self.num_slots, 1, device, indexed_kv=False)
 
     def consecutive(self, first: int, b: int):
         """Context: the modules see the b slots from `first` (views; no copies)."""

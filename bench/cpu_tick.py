@@ -108,11 +108,9 @@ def main(argv=None) -> int:
     for i in range(20 + args.ticks):
         for clock in clocks.values():
             clock.tick(speech[i % len(speech)], record=i >= 20)
-    result = {"command": "python -m bench.cpu_tick " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": report.machine(), "commit": args.commit or report.git_commit(),
-              "started": started.isoformat(timespec="seconds"),
-              "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
-              "trees": {label: {"median_ms": summary(c.ticks), "ticks": c.ticks} for label, c in clocks.items()}}
+    result = report.run_record("bench.cpu_tick", argv, args.commit, started,
+                               load_average=[round(load, 2), round(os.getloadavg()[0], 2)],
+                               trees={label: {"median_ms": summary(c.ticks), "ticks": c.ticks} for label, c in clocks.items()})
     for clock in clocks.values():
         clock.close()
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
@@ -120,9 +118,7 @@ def main(argv=None) -> int:
 
 
 def markdown(result: dict, plot_name: str) -> str:
-    m = result["machine"]
-    lines = [f"# A CPU talker tick, by part ({result['started'][:10]}, {m['cpu']}, {m['cores']} cores)", "",
-             f"- Command: `{result['command']}`", f"- Commit {result['commit']}, started {result['started']} UTC",
+    lines = [*report.run_heading(result, "A CPU talker tick, by part"),
              f"- Load average (1 min) at start {result['load_average'][0]}, at end {result['load_average'][1]}",
              "- One conversation (NATF0, the bench's role prompt, seed 1) on samples/user.wav; PyTorch at 1 "
              "intra-op thread; each tick's thread CPU time in ms, median over the ticks; the trees took turns "

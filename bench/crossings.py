@@ -60,10 +60,10 @@ def main(argv=None) -> int:
             runs.append(run)
             print(f"{report.now():%H:%M:%S} round {round_}, {label}: p50 {run['p50']} ms, outside the ticks "
                   f"{run['outside_ticks_ms']} ms", file=sys.stderr, flush=True)
-    result = {"command": "python -m bench.crossings " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": report.machine(), "commit": args.commit or report.git_commit(), "started": started.isoformat(timespec="seconds"),
-              "conversations": args.conversations, "seconds": args.seconds, "runs": runs,
-              "summary": {label: summary([r for r in runs if r["repository"] == label]) for label in REPOSITORIES}}
+    result = report.run_record("bench.crossings", argv, args.commit, started, conversations=args.conversations,
+                               seconds=args.seconds, runs=runs,
+                               summary={label: summary([r for r in runs if r["repository"] == label])
+                                        for label in REPOSITORIES})
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}-crossings", markdown, plot)
     return 0
 
@@ -76,12 +76,9 @@ def summary(runs: list[dict]) -> dict:
 
 
 def markdown(result: dict, plot_name: str) -> str:
-    m, summaries = result["machine"], result["summary"]
+    summaries = result["summary"]
     labels = list(summaries)
-    lines = [f"# What Triton adds to a frame: two stubs against one ({result['started'][:10]}, {m['cpu']}, "
-             f"{m['cores']} cores, {', '.join(m['gpus']) or 'no GPU'})", "",
-             f"- Command: `{result['command']}`",
-             f"- Commit {result['commit']}, started {result['started']} UTC",
+    lines = [*report.run_heading(result, "What Triton adds to a frame: two stubs against one"),
              f"- Each run: `bench.run --stages load --conversations {result['conversations']} --seconds "
              f"{result['seconds']:g} --trace-dir DIR` on a server of its own, model_repository (two stubs) and "
              "model_repository_one_stub (one stub) taking turns; each segment's median over the run's frames, "

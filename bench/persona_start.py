@@ -133,22 +133,18 @@ def main(argv=None) -> int:
             if i < 2:  # warm-up
                 for ms in starter.ms.values():
                     ms.clear()
-    result = {"command": "python -m bench.persona_start " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": report.machine(), "device": args.device, "checkpoint": report.checkpoint_label(args.checkpoint),
-              "commit": args.commit or report.git_commit(), "started": started.isoformat(timespec="seconds"),
-              "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
-              "together": args.together,
-              "trees": {label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) if s.ms[kind] else None
-                                              for kind in KINDS}, "ms": s.ms} for label, s in starters.items()}}
+    result = report.run_record(
+        "bench.persona_start", argv, args.commit, started, device=args.device,
+        checkpoint=report.checkpoint_label(args.checkpoint), load_average=[round(load, 2), round(os.getloadavg()[0], 2)],
+        together=args.together,
+        trees={label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) if s.ms[kind] else None
+                                     for kind in KINDS}, "ms": s.ms} for label, s in starters.items()})
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
 
 
 def markdown(result: dict, plot_name: str) -> str:
-    m = result["machine"]
-    lines = [f"# A conversation's start, by persona ({result['started'][:10]}, {m['cpu']}, {m['cores']} cores"
-             f"{', ' + m['gpus'][0] if m['gpus'] else ''})", "",
-             f"- Command: `{result['command']}`", f"- Commit {result['commit']}, started {result['started']} UTC",
+    lines = [*report.run_heading(result, "A conversation's start, by persona"),
              f"- Checkpoint {result['checkpoint']} on {result['device']}",
              f"- Load average (1 min) at start {result['load_average'][0]}, at end {result['load_average'][1]}",
              f"- `Talker.start` wall time in ms, median over the rounds; new persona: its prefill ({VOICE_FRAMES}-frame "

@@ -127,19 +127,14 @@ def main(argv=None) -> int:
     started = report.now()
     checkpoint = loaders.checkpoint_spec(args.checkpoint)
     starts, pool = run(checkpoint, args.device, args.max_conversations)
-    result = {"command": "python -m bench.prefill_pieces " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": report.machine(), "device": args.device, "checkpoint": report.checkpoint_label(checkpoint),
-              "commit": args.commit or report.git_commit(), "started": started.isoformat(timespec="seconds"),
-              "pool": pool, "starts": starts}
+    result = report.run_record("bench.prefill_pieces", argv, args.commit, started, device=args.device,
+                               checkpoint=report.checkpoint_label(checkpoint), pool=pool, starts=starts)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
 
 
 def markdown(result: dict, plot_name: str) -> str:
-    m = result["machine"]
-    lines = [f"# A new persona's start, piece by piece ({result['started'][:10]}, {m['cpu']}, {m['cores']} cores"
-             f"{', ' + m['gpus'][0] if m['gpus'] else ''})", "",
-             f"- Command: `{result['command']}`", f"- Commit {result['commit']}, started {result['started']} UTC",
+    lines = [*report.run_heading(result, "A new persona's start, piece by piece"),
              f"- Checkpoint {result['checkpoint']} on {result['device']}; the talker as served: {result['pool']}",
              "- Each persona started twice, with no persona cache (each start prefills), in the order of the "
              "table. Pieces: wall time of each `StartJob.advance`, to the end of its GPU work (ms); "

@@ -9,6 +9,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -129,6 +130,23 @@ def git_commit() -> str:
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def run_record(module: str, argv, commit: str | None, started: datetime, **fields) -> dict:
+    """The head of a one-process bench's result: its command line (`argv`, None: this
+    process's), this machine, the tree (`commit`, None: git's), when it started; then `fields`."""
+    return {"command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": machine(), "commit": commit or git_commit(), "started": started.isoformat(timespec="seconds"),
+            **fields}
+
+
+def run_heading(result: dict, title: str) -> list[str]:
+    """The first lines of such a result's markdown: `title` with the date and the machine, the
+    command, the commit."""
+    m = result["machine"]
+    gpus = f", {', '.join(m['gpus'])}" if m["gpus"] else ""
+    return [f"# {title} ({result['started'][:10]}, {m['cpu']}, {m['cores']} cores{gpus})", "",
+            f"- Command: `{result['command']}`", f"- Commit {result['commit']}, started {result['started']} UTC"]
 
 
 def dumps(result: dict) -> str:

@@ -240,7 +240,8 @@ def test_cached_persona_starts_at_once_with_the_same_output(talker, wav_voice, u
     try:
         first = converse(talker, 1, setup(wav_voice, talker.tokenizer, prompt, seed=21), user_frames)
         assert len(talker.persona_cache) == 1 and talker.persona_cache.hits == 0
-        cached = converse(talker, 2, setup(wav_voice, talker.tokenizer, prompt, seed=22), user_frames)
+        # slot 1 again, as `first` left it: the cached state is put in place of all of it, unreset
+        cached = converse(talker, 1, setup(wav_voice, talker.tokenizer, prompt, seed=22), user_frames)
         assert talker.persona_cache.hits == 1  # no prefill: the cached state was put in place
         assert first == fresh
         assert cached == fresh_other_seed

@@ -96,20 +96,27 @@ class SlotGenerator:
         """
         self.start_many({slot: params})
 
-    def start_many(self, params: dict[int, SamplingParams]) -> None:
+    def start_many(self, params: dict[int, SamplingParams], reset_model: bool = True) -> None:
         """`start` of several slots at once, each with its settings: one reset of the model's
         streaming state for them all (moshi's walks every module, whatever the rows: 3 ms on
-        the H200, so 64 conversations starting together took 200 ms of resets)."""
+        the H200, so 64 conversations starting together took 200 ms of resets). Without
+        `reset_model` the caller puts each slot's model state in place (`reset_model`, or
+        `restore`, which writes all of it)."""
         slots = torch.tensor(list(params), device=self.device)
-        mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
-        mask[slots] = True
-        self.lm.reset_streaming(mask)
+        if reset_model:
+            self.reset_model(list(params))
         self.grid.start(slots)
         for slot, slot_params in params.items():
             self.sampling.set(slot, slot_params)
         # Graphs are keyed by fixed top-k buckets, never by a client's value.
         self.top_k_bound = bucket_for(max(int(self.sampling.top_k.max()), 1), loaders.TOP_K_BUCKETS)
         self.top_k_text_bound = bucket_for(max(int(self.sampling.top_k_text.max()), 1), loaders.TOP_K_TEXT_BUCKETS)
+
+    def reset_model(self, slots: list[int]) -> None:
+        """The model's streaming state of `slots` back to a fresh conversation's."""
+        mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        mask[slots] = True
+        self.lm.reset_streaming(mask)
 
     def snapshot(self, slot: int) -> dict:
         """A copy of everything `slot` has accumulated: its token grid and the temporal

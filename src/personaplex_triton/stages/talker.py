@@ -209,9 +209,10 @@ class Talker:
         between (engine/starts.py): bad settings or a persona that cannot play fail their own
         conversations only.
 
-        The model's streaming state and Mimi's are reset once for them all. A persona in the
-        cache is copied into all of its slots at once; a new one is prefilled in its first
-        slot, a transformer pass a piece, then copied into the others. A start that needs a
+        Mimi's streaming state is reset once for them all. A persona in the cache is copied
+        into all of its slots at once (the copy is the model's whole state: no reset of the
+        model first, which is hundreds of PyTorch calls); a new one is prefilled in its first
+        slot, freshly reset, a transformer pass a piece, then copied into the others. A start that needs a
         persona another start is prefilling waits for it, then takes it from the cache."""
         return StartJob(lambda failed: self._start_pieces(setups, failed))
 
@@ -227,7 +228,7 @@ class Talker:
         ready = {slot: setup for slot, setup in setups.items() if slot not in failed}
         if not ready:
             return
-        self.generator.start_many({slot: setup.sampling for slot, setup in ready.items()})
+        self.generator.start_many({slot: setup.sampling for slot, setup in ready.items()}, reset_model=False)
         self.mimi.reset(list(ready))  # a WAV voice prompt is coded from a fresh stream
         by_persona: dict[tuple, list[int]] = {}
         for slot, setup in ready.items():
@@ -239,6 +240,7 @@ class Talker:
                 snap = self.persona_cache.get(key)
                 if snap is None:
                     first, slots = slots[0], slots[1:]
+                    self.generator.reset_model([first])
                     self._prefilling.add(key)
                     try:
                         yield from self.play_pieces(first, prefill_program(ready[first].persona, self.lm.initial_token_id))

@@ -114,11 +114,15 @@ class TokenGrid:
     def force(self, slots, o, streams: slice, values: torch.Tensor) -> None:
         """Force `values` [len(slots), streams] at o + delay, as a step at position o would have.
         `slots` and `o` (each slot's position) are on the host: the index is built there and
-        reaches the device in one copy (each PyTorch call lets other threads take the GIL)."""
+        reaches the device in one copy (each PyTorch call lets other threads take the GIL),
+        from pinned memory on a GPU: a copy from pageable memory first waits for the stream's
+        queued work (the last tick's encode, which `values` come from), and the host with it."""
         books = np.arange(self.num_codebooks)[streams]
         positions = (np.asarray(o)[:, None] + self._host_delays[streams][None, :]) % self.ring
-        index = np.stack(np.broadcast_arrays(np.asarray(slots)[:, None], books[None, :], positions))
-        rows, codebooks, at = torch.from_numpy(index.reshape(3, -1)).to(self.device).unbind()
+        index = torch.from_numpy(np.stack(np.broadcast_arrays(np.asarray(slots)[:, None], books[None, :], positions)))
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        rows, codebooks, at = index.reshape(3, -1).to(self.device, non_blocking=True).unbind()
         self.cache.index_put_((rows, codebooks, at), values.reshape(-1).to(self.cache))
         self.provided.index_put_((rows, codebooks, at), self._true)
 

@@ -324,8 +324,9 @@ def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once
 
 def test_a_graphed_prefill_leaves_the_slot_as_an_eager_one(files):
     """A new persona's prefill passes under CUDA graphs (prefill_graphs.py: one slot's state and
-    the head of its ring gathered in the graph, written back) leave its slot's state as the same
-    passes run eagerly on the slot's row do, in fp32, and both then answer the same greedy tokens."""
+    its ring gathered in the graph, written back) leave its slot's state as the same passes run
+    eagerly on the slot's row do, in fp32, and both then answer the same greedy tokens. (Over
+    only the ring's head the state came within 1e-4 on an H100, but the tokens differed.)"""
     import numpy as np
 
     from personaplex_triton.core import loaders

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from bench import report, trees, workload
+from bench.tick_contention import calls_a_tick
 
 ONE_BY_ONE, TOGETHER = "cached, one by one", "cached, together"
-LONGEST_PIECE = "new persona, its longest piece"
-KINDS = ("new persona", LONGEST_PIECE, "cached persona", ONE_BY_ONE, TOGETHER)
+LONGEST_PIECE, CACHED = "new persona, its longest piece", "cached persona"
+KINDS = ("new persona", LONGEST_PIECE, CACHED, ONE_BY_ONE, TOGETHER)
 VOICE_FRAMES = 199
 
 
@@ -87,6 +88,17 @@ class Starter:
         self._sync()
         self.ms[kind].append((time.perf_counter() - started) * 1000)
 
+    def calls(self, voice_seed: int) -> dict[str, int | None]:
+        """The PyTorch calls from Python (each lets a stub's other threads take the GIL) of a
+        cached persona's start, alone and `together` (None: the tree has no start_many); the
+        persona of `voice_seed` must be in the cache."""
+        persona = self._persona(voice_seed)
+        setup = self.setup(persona, self.sampling.SamplingParams(seed=voice_seed))
+        together = {slot: setup for slot in range(1, 1 + self.together)}
+        return {CACHED: calls_a_tick(lambda: self.talker.start(0, setup)),
+                TOGETHER: calls_a_tick(lambda: self.talker.start_many(together))
+                if hasattr(self.talker, "start_many") else None}
+
     def _longest_piece(self, voice_seed: int) -> None:
         """A new persona's start in pieces (`begin_starts`, as the engine runs it between ticks):
         the longest piece, which is what the live conversations' frames wait for."""
@@ -138,7 +150,8 @@ def main(argv=None) -> int:
         checkpoint=report.checkpoint_label(args.checkpoint), load_average=[round(load, 2), round(os.getloadavg()[0], 2)],
         together=args.together,
         trees={label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) if s.ms[kind] else None
-                                     for kind in KINDS}, "ms": s.ms} for label, s in starters.items()})
+                                     for kind in KINDS}, "ms": s.ms, "calls": s.calls(1000 + args.rounds + 1)}
+               for label, s in starters.items()})
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
 
@@ -159,6 +172,12 @@ def markdown(result: dict, plot_name: str) -> str:
     for label, tree in result["trees"].items():
         cells = " | ".join("n/a" if tree["median_ms"][kind] is None else str(tree["median_ms"][kind]) for kind in KINDS)
         lines.append(f"| {label} | {len(tree['ms']['new persona'])} | {cells} |")
+    lines += ["", "PyTorch calls from Python of one start of the cached persona (each lets a Triton stub's other "
+              "threads take the GIL), after the rounds:", "",
+              f"| tree | cached persona | {result['together']} cached, together |", "| --- | ---: | ---: |"]
+    for label, tree in result["trees"].items():
+        calls = tree.get("calls", {})
+        lines.append(f"| {label} | {calls.get(CACHED, 'n/a')} | {calls.get(TOGETHER) or 'n/a'} |")
     return "\n".join(lines + ["", f"![starts]({plot_name})", ""])
 
 

@@ -404,6 +404,9 @@ def test_persona_start_compares_two_trees_and_a_prefill_costs_more_than_the_cach
     for tree in result["trees"].values():
         assert all(len(ms) == 2 for ms in tree["ms"].values())  # every kind: both trees have start_many
         assert tree["median_ms"]["new persona"] > 2 * tree["median_ms"]["cached persona"]
+        calls = tree["calls"]  # one tree, loaded twice: the same calls; a start of 3 makes more than one of 1
+        assert calls == next(iter(result["trees"].values()))["calls"]
+        assert 0 < calls["cached persona"] < calls["cached, together"]
     assert result["together"] == 3 and "| 3 cached, one by one | 3 cached, together |" in (
         next(tmp_path.glob("*-starts.md")).read_text())
     assert (tmp_path / next(tmp_path.glob("*-starts.md")).name.replace(".md", ".png")).exists()

@@ -4,8 +4,9 @@ Every token of a prefill step is forced, so its samples are never used and the d
 not run: the token grid plays all the steps at once on a CPU copy of the slot's row
 (`TokenGrid.play_forced`; step by step, a 7B persona's prefill spent half its time in the
 grid's tiny ops), then the temporal transformer takes all the steps' input embeddings in
-passes, as an LLM takes a prompt, each under a CUDA graph on a GPU (prefill_graphs.py). `prefill_pieces` yields before each pass, so that the engine can tick the
-live conversations between them (engine/starts.py); `run_pieces` runs them all.
+passes, as an LLM takes a prompt, each under a CUDA graph on a GPU (prefill_graphs.py).
+`prefill_pieces` yields before each pass, so that the engine can tick the live conversations
+between them (engine/starts.py); `run_pieces` runs them all.
 """
 
 from __future__ import annotations

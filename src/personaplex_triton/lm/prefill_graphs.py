@@ -15,12 +15,10 @@ off, or of a length captured for none, a pass runs eagerly on the slot's own row
 
 from __future__ import annotations
 
-import gc
-
 import torch
-from moshi.utils.compile import no_cuda_graph
 
 from .slot_states import SlotStates
+from .step_graphs import capture
 
 # Prefill positions per transformer pass at most, a power of two, a piece of a start:
 # PersonaPlex's prefill (a 199-frame voice, silences, the role prompt) is about 230 positions,
@@ -82,7 +80,6 @@ class PrefillPasses:
         captures run on slot 0 (moving it on by nothing, but writing past its end)."""
         for length in all_pass_lengths() if self.enabled else ():
             if length not in self._graphs:
-                gc.collect()  # as StepGraphs: a graph freed during another's capture spoils it
                 self._graphs[length] = self._capture(length)
         return len(self)
 
@@ -93,17 +90,9 @@ class PrefillPasses:
         self._carried.store()
 
     def _capture(self, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        device = self.lm.device
-        inputs = torch.zeros(1, length, self.lm.dim, device=device, dtype=next(self.lm.parameters()).dtype)
+        inputs = torch.zeros(1, length, self.lm.dim, device=self.lm.device, dtype=next(self.lm.parameters()).dtype)
         self._active.fill_(False)  # the warm-up moves no slot on (it writes ring entries past the end, unread)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), no_cuda_graph():  # a warm-up, as capture requires
-            self._pass(inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), no_cuda_graph():
-            self._pass(inputs)
+        graph, _ = capture(lambda: self._pass(inputs), lambda: self._pass(inputs), self.lm.device, self._pool)
         self._active.fill_(True)
         return graph, inputs
 

@@ -21,22 +21,33 @@ from moshi.utils.compile import no_cuda_graph
 from .step_inputs import ACTIVE
 
 
+def capture(warm_up: Callable, body: Callable, device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of `body()` (in the graph memory pool `pool`, None: its own), after
+    `warm_up()` on a side stream, as capture requires; moshi's own graphs stay out of both.
+    Returns the graph and what `body` returned (its outputs, which each replay overwrites)."""
+    # A CUDA graph freed while another is being captured (by a garbage collection of some
+    # unclosed generator, say) invalidates that capture: collect before it.
+    gc.collect()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), no_cuda_graph():
+        warm_up()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), no_cuda_graph():
+        outputs = body()
+    return graph, outputs
+
+
 class _Graph:
     """One captured step: its input buffers and its outputs."""
 
     def __init__(self, step: Callable, packed: torch.Tensor, embeddings: torch.Tensor):
         self.packed, self.embeddings = packed.clone(), embeddings.clone()
-        device = packed.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
         idle = self.packed.clone()
         idle[:, ACTIVE] = 0  # no row steps: the warm-up leaves every slot as it was
-        with torch.cuda.stream(side), no_cuda_graph():  # a warm-up, as capture requires
-            step(idle, self.embeddings)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), no_cuda_graph():  # moshi's own graphs stay out of this one
-            self.outputs = step(self.packed, self.embeddings)
+        self.graph, self.outputs = capture(lambda: step(idle, self.embeddings),
+                                           lambda: step(self.packed, self.embeddings), packed.device)
 
     def __call__(self, packed: torch.Tensor, embeddings: torch.Tensor | None):
         # From pinned memory the copy queues on the stream and the host goes on.
@@ -70,9 +81,6 @@ class StepGraphs:
             return self.step(packed.to(zeros.device), zeros if embeddings is None else embeddings.to(zeros.device))
         graph = self._graphs.get(key)
         if graph is None:
-            # A CUDA graph freed while another is being captured (by a garbage collection of
-            # some unclosed generator, say) invalidates that capture: collect before it.
-            gc.collect()
             no_embeddings = self._no_embeddings(b)
             graph = self._graphs[key] = _Graph(self.step, packed.to(no_embeddings.device), no_embeddings)
         return graph(packed, embeddings)

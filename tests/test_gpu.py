@@ -324,9 +324,10 @@ def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once
 
 def test_a_graphed_prefill_leaves_the_slot_as_an_eager_one(files):
     """A new persona's prefill passes under CUDA graphs (prefill_graphs.py: one slot's state and
-    its ring gathered in the graph, written back) leave its slot's state as the same passes run
-    eagerly on the slot's row do, in fp32, and both then answer the same greedy tokens. (Over
-    only the ring's head the state came within 1e-4 on an H100, but the tokens differed.)"""
+    its whole ring gathered in the graph, written back) leave its slot's state bit for bit as the
+    same passes run eagerly on the slot's row do, in bf16 as served, and both then answer the
+    same greedy tokens. (In fp32 two slots of one state, both prefilled eagerly, part after a
+    tick on an H100: the tick is not row-invariant there, so the tokens are compared in bf16.)"""
     import numpy as np
 
     from personaplex_triton.core import loaders
@@ -337,8 +338,8 @@ def test_a_graphed_prefill_leaves_the_slot_as_an_eager_one(files):
     tokenizer = loaders.get_tokenizer(files)
     persona = Persona(load_voice(files.voices / "NATF0.wav"),
                       tuple(tokenizer.encode("You are a patient guide who explains each step of a recipe.")))
-    frames = (0.1 * np.random.default_rng(9).standard_normal((8, 1920))).astype(np.float32)
-    talker = Talker(loaders.get_lm(files, "cuda", torch.float32), open_step("encoder", files, device="cuda"),
+    frames = (0.1 * np.random.default_rng(9).standard_normal((12, 1920))).astype(np.float32)
+    talker = Talker(loaders.get_lm(files, "cuda", torch.bfloat16), open_step("encoder", files, device="cuda"),
                     tokenizer, SLOTS)
     talker.persona_cache = PersonaCache(0)  # each start prefills
     prefill = talker.generator.prefill
@@ -355,12 +356,12 @@ def test_a_graphed_prefill_leaves_the_slot_as_an_eager_one(files):
         for ours, theirs in zip(graphed["modules"], eager["modules"], strict=True):
             assert ours.keys() == theirs.keys()
             for name in ours.keys() - {"exec_mask"}:  # steps set it, each for its own rows
-                torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-4, msg=name)
+                assert torch.equal(ours[name], theirs[name]), (name, (ours[name].float() - theirs[name].float()).abs().max())
         answers = {1: [], 2: []}
         for frame in frames:
             for slot, step in talker.tick({1: frame, 2: frame}).items():
                 answers[slot].append((step.text_token, tuple(map(int, step.codes))))
-        assert answers[1], "no answer in the frames played"
+        assert len(answers[1]) >= 8, "too few answers in the frames played"
         assert answers[1] == answers[2], [(i, a, b) for i, (a, b) in enumerate(zip(answers[1], answers[2])) if a != b]
     finally:
         talker.close()

@@ -7,10 +7,9 @@ length, and about 80 ms more the first time a length is seen, while the live con
 ticks wait for it (bench/results/2026-12-05-prefill-pieces-h100.md). A graph replays in the
 time its kernels take. Inside the graph the slot's streaming state and its whole KV ring are
 gathered into one-row buffers, the pass runs there, and they are written back
-(slot_states.CarriedRows): the pass runs the eager pass's kernels on the same shapes. (With
-only the ring's head gathered, the state came out within 1e-4 in fp32 but the greedy tokens
-then differed: moshi's attention over a shorter ring rounds otherwise.) Off CUDA, with graphs
-off, or of a length captured for none, a pass runs eagerly on the slot's own row.
+(slot_states.CarriedRows): the pass runs the eager pass's kernels on the same shapes, and the
+slot's state comes out bit for bit as an eager pass leaves it (tests/test_gpu.py). Off CUDA,
+with graphs off, or of a length captured for none, a pass runs eagerly on the slot's own row.
 """
 
 from __future__ import annotations

@@ -645,16 +645,16 @@ def test_compact_greedy_tokens_alone_and_beside_conversations_that_join_skip_and
     assert compact_greedy_tokens(lm, busy) == alone
 
 
-def test_a_prefill_runs_in_a_few_pass_lengths_under_graphs_and_in_chunks_eagerly(talker):
-    """Graphed, a prefill's passes are PREFILL_CHUNK positions each and the rest in powers of
-    two (a graph each, captured at load); eagerly (here, the CPU), chunks and the rest in one."""
+def test_a_prefill_runs_in_passes_of_prefill_chunk_and_the_rest_in_one(talker):
+    """A prefill's passes are PREFILL_CHUNK positions each and the rest in one, graphed (a graph
+    for each length, captured at load) or eager (here, the CPU) alike."""
     from personaplex_triton.lm.prefill_graphs import all_pass_lengths, pass_lengths
 
-    assert all_pass_lengths() == [64, 32, 16, 8, 4, 2, 1]
+    assert all_pass_lengths() == list(range(64, 0, -1))
     for positions in range(300):
         lengths = pass_lengths(positions)
         assert sum(lengths) == positions and set(lengths) <= set(all_pass_lengths())
-        assert lengths == sorted(lengths, reverse=True) and len(lengths) <= positions // 64 + 6
-    assert pass_lengths(167) == [64, 64, 32, 4, 2, 1]
-    assert talker.generator.prefill.lengths(167) == [64, 64, 39]
+        assert len(lengths) == -(-positions // 64)
+    assert pass_lengths(167) == [64, 64, 39]
+    assert talker.generator.prefill.lengths(230) == [64, 64, 64, 38]
     assert len(talker.generator.prefill) == 0  # no CUDA here: no graph

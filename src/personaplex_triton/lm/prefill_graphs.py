@@ -1,11 +1,13 @@
 """A persona prefill's transformer passes (prefill.py), under CUDA graphs: PREFILL_CHUNK
-positions a pass, then the rest in powers of two (`pass_lengths`), so that a handful of
-lengths serve every prefill, each with its graph, over whichever slot its slot table names.
+positions a pass and the rest in one (`pass_lengths`), each length with its graph, captured at
+load, over whichever slot its slot table names.
 
 Eager on a GPU, a pass of the 7B model is launch-bound: 67-75 ms on an H100 whatever its
 length, and about 80 ms more the first time a length is seen, while the live conversations'
 ticks wait for it (bench/results/2026-12-05-prefill-pieces-h100.md). A graph replays in the
-time its kernels take. Inside the graph the slot's streaming state and its whole KV ring are
+time its kernels take, 13-21 ms whatever its length, so a start costs its count of passes
+(a graph for each length up to PREFILL_CHUNK, not for powers of two only: 230 positions are 4
+passes, not 6). Inside the graph the slot's streaming state and its whole KV ring are
 gathered into one-row buffers, the pass runs there, and they are written back
 (slot_states.CarriedRows): the pass runs the eager pass's kernels on the same shapes, and the
 slot's state comes out bit for bit as an eager pass leaves it (tests/test_gpu.py). Off CUDA,
@@ -19,22 +21,20 @@ import torch
 from .slot_states import SlotStates
 from .step_graphs import capture
 
-# Prefill positions per transformer pass at most, a power of two, a piece of a start:
-# PersonaPlex's prefill (a 199-frame voice, silences, the role prompt) is about 230 positions,
-# so 3 passes of 64 and the rest's, each holding the live conversations' ticks for a piece.
+# Prefill positions per transformer pass at most, a piece of a start: PersonaPlex's prefill (a
+# 199-frame voice, silences, the role prompt) is about 230 positions, so 3 passes of 64 and the
+# rest's, each holding the live conversations' ticks for a piece.
 PREFILL_CHUNK = 64
 
 
 def pass_lengths(positions: int) -> list[int]:
-    """The graphed passes of a prefill of `positions`: PREFILL_CHUNK each, then the rest in
-    powers of two, largest first."""
-    rest = positions % PREFILL_CHUNK
-    return [PREFILL_CHUNK] * (positions // PREFILL_CHUNK) + [bit for bit in all_pass_lengths() if rest & bit]
+    """The passes of a prefill of `positions`: PREFILL_CHUNK each, then the rest in one."""
+    return [min(PREFILL_CHUNK, positions - start) for start in range(0, positions, PREFILL_CHUNK)]
 
 
 def all_pass_lengths() -> list[int]:
-    """Every length `pass_lengths` gives: PREFILL_CHUNK and the powers of two below it."""
-    return [PREFILL_CHUNK >> i for i in range(PREFILL_CHUNK.bit_length())]
+    """Every length `pass_lengths` gives, longest first."""
+    return list(range(PREFILL_CHUNK, 0, -1))
 
 
 class PrefillPasses:
@@ -53,11 +53,8 @@ class PrefillPasses:
         return len(self._graphs)
 
     def lengths(self, positions: int) -> list[int]:
-        """The passes of a prefill of `positions`: graphed, `pass_lengths`; eager, PREFILL_CHUNK
-        each and the rest in one (each eager pass costs its launches, whatever its length)."""
-        if self.enabled:
-            return pass_lengths(positions)
-        return [min(PREFILL_CHUNK, positions - start) for start in range(0, positions, PREFILL_CHUNK)]
+        """The passes of a prefill of `positions` (`pass_lengths`), graphed or eager alike."""
+        return pass_lengths(positions)
 
     def run(self, slot: int, chunk: torch.Tensor) -> None:
         """One pass of `chunk` [1, T, dim] (the steps' input embeddings) into `slot`."""

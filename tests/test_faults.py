@@ -167,6 +167,11 @@ def test_vanished_client_frees_its_slot(faulty):
     assert "conversation 901 is not open" in error and "idle too long" in error
 
 
+def series_labels(series: str) -> dict[str, str]:
+    """`name{a="1",b="2"}` -> {"a": "1", "b": "2"}."""
+    return dict(pair.split("=") for pair in series[series.index("{") + 1:-1].replace('"', "").split(","))
+
+
 def test_metrics_on_the_prometheus_endpoint(faulty):
     # counters reach the endpoint in batches of up to half a second: the last test's not_open shows after it
     not_open = 'personaplex_requests_rejected_total{model="talker",reason="not_open"}'
@@ -180,6 +185,13 @@ def test_metrics_on_the_prometheus_endpoint(faulty):
         assert samples[f"personaplex_engine_up{label}"] == 1
         assert abs(samples[f"personaplex_engine_heartbeat_seconds{label}"] - time.time()) < 15
         assert f"personaplex_conversations_prefilling{label}" in samples
+        collections = {series_labels(series)["generation"]: value for series, value in samples.items()
+                       if series.startswith("personaplex_gc_pause_seconds_count{")
+                       and series_labels(series)["model"] == model}
+        assert collections.get("0", 0) > 0, collections  # the stub's young collections, timed
+    # what each stub loaded is frozen out of the collector's walks: hundreds of thousands of objects
+    frozen = [int(n) for n in re.findall(r"loaded; (\d+) objects frozen", faulty.log_path.read_text())]
+    assert len(frozen) == len(faulty.stub_models) and min(frozen) > 100_000, frozen
     rejected = lambda reason: samples.get(f'personaplex_requests_rejected_total{{model="talker",reason="{reason}"}}', 0)
     assert rejected("limit") >= 3 and rejected("invalid_input") >= 7 and rejected("internal") >= 2
     assert rejected("not_open") >= 1
@@ -189,9 +201,7 @@ def test_metrics_on_the_prometheus_endpoint(faulty):
     # least the one below it, and none is over 10.24 s
     for name in ("personaplex_tick_duration_seconds", "personaplex_frame_latency_seconds"):
         buckets = sorted((float(labels["le"]), value) for series, value in samples.items()
-                         if series.startswith(name + "_bucket{")
-                         and (labels := dict(pair.split("=") for pair in series[series.index("{") + 1:-1]
-                                                 .replace('"', "").split(",")))["model"] == "talker")
+                         if series.startswith(name + "_bucket{") and (labels := series_labels(series))["model"] == "talker")
         count = samples[f'{name}_count{{model="talker"}}']
         assert buckets[-1] == (float("inf"), count) and buckets[-2] == (10.24, count)
         assert all(low[1] <= high[1] for low, high in zip(buckets, buckets[1:]))

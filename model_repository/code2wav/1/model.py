@@ -4,7 +4,7 @@ from personaplex_triton.core import loaders, seam
 from personaplex_triton.serving.serving import Code2WavService, pick_device, slots_log_line
 from personaplex_triton.serving.shutdown import mark_finalized, register
 from personaplex_triton.serving.triton_adapter import (
-    TritonMetrics, instance_gpu, log_info, model_parameters, request_arrays, responder, route_library_logs)
+    TritonMetrics, instance_gpu, loaded, log_info, model_parameters, request_arrays, responder, route_library_logs)
 
 INPUTS = tuple(spec.name for spec in seam.TENSORS)
 
@@ -21,6 +21,7 @@ class TritonPythonModel:
         log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
         self.instance = args["model_instance_name"]
         register(self.instance, drains=False)  # the talker ends its sequences at shutdown
+        loaded(self.instance)
 
     def execute(self, requests):
         for request in requests:

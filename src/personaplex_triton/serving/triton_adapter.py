@@ -13,7 +13,8 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..core.metrics import FAMILIES, HISTOGRAM_SERIES, Metrics, UpdateQueue
+from ..core.collector import PauseWatch, freeze_loaded
+from ..core.metrics import FAMILIES, HISTOGRAM_SERIES, Metrics, UpdateQueue, histogram_counts
 from .shutdown import Drain, OpenSequences, mark_finalized, register
 
 SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -111,6 +112,12 @@ def responder(request):
     return send, finish, sender.is_cancelled
 
 
+def loaded(instance: str) -> None:
+    """The last step of a model's `initialize`: what loading made lives as long as the stub, so
+    it is frozen out of the garbage collector's walks (core/collector.py)."""
+    log_info(f"{instance}: loaded; {freeze_loaded()} objects frozen out of the garbage collector's walks")
+
+
 class ConversationModel:
     """The base of a model that takes the clients' conversations (the talker; `speech`): notes
     each sequence and hands each request's inputs to its service's `handle`; at shutdown drains
@@ -125,6 +132,7 @@ class ConversationModel:
         self.sequences = OpenSequences(forget_after_s=2 * sequence_idle_s(args))
         self.drain = Drain.from_env(self.sequences, self._drain, self.end_requests, self.instance)
         register(self.instance, drains=True)
+        loaded(self.instance)
 
     def end_requests(self, key: int) -> list[tuple[str, dict]]:
         raise NotImplementedError
@@ -174,6 +182,7 @@ class TritonMetrics(Metrics):
                 self._families[name] = family(name=name, description=text, kind=kinds[kind])
         self._series: dict[tuple, object] = {}
         self._updates = UpdateQueue()
+        self._collections = PauseWatch()  # the process's garbage collections, reported with the rest
         self._reporter = threading.Thread(target=self._report, name=f"{model}-metrics", daemon=True)
         self._reporter.start()
         self.alive(True)
@@ -187,6 +196,10 @@ class TritonMetrics(Metrics):
     def _report(self) -> None:
         while (taken := self._updates.take(REPORT_HOLD_S)) is not None:
             counts, gauges = taken
+            for generation, pauses in self._collections.take().items():
+                key = ("personaplex_gc_pause_seconds", (("generation", str(generation)),))
+                for series, value in histogram_counts(key, pauses).items():
+                    counts[series] = counts.get(series, 0) + value
             updates = [*((key, "increment", v) for key, v in counts.items()),
                        *((key, "set", v) for key, v in gauges.items())]
             for key, how, value in updates:
@@ -218,5 +231,6 @@ class TritonMetrics(Metrics):
         self._updates.set(("personaplex_engine_heartbeat_seconds", ()), time.time())
 
     def close(self) -> None:
+        self._collections.close()
         self._updates.close()
         self._reporter.join(timeout=5)

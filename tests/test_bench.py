@@ -623,3 +623,22 @@ def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint,
         assert sum(s["passes"]) == s["positions"] and len(s["pieces_ms"]) == len(s["passes"]) + 1
         assert s["longest_ms"] == max(s["pieces_ms"]) > 0
     assert "| first |" in next(tmp_path.glob("*-t.md")).read_text()
+
+
+def test_gc_pause_times_a_full_collection_as_loaded_and_frozen(tiny_checkpoint, tmp_path):
+    """bench/gc_pause.py on the CPU: the freeze takes what the talker's process loaded out of the
+    collector's walks (it tracks a few objects where it tracked hundreds of thousands), and the
+    process is left unfrozen after."""
+    import gc
+
+    from bench import gc_pause
+
+    assert gc_pause.main(["--checkpoint", str(tiny_checkpoint), "--seconds", "1", "--conversations", "2",
+                          "--out", str(tmp_path), "--name", "t"]) == 0
+    assert gc.get_freeze_count() == 0
+    phases = json.loads(next(tmp_path.glob("*-t.json")).read_text())["phases"]
+    loaded, frozen = phases["as loaded"], phases["frozen"]
+    assert loaded["frozen_objects"] == 0 and loaded["tracked_objects"] > 100_000
+    assert frozen["frozen_objects"] > 100_000 and frozen["tracked_objects"] < loaded["tracked_objects"] / 10
+    assert loaded["ticks"] > 0 and frozen["ticks"] > 0
+    assert "| frozen |" in next(tmp_path.glob("*-t.md")).read_text()

@@ -34,6 +34,7 @@ from personaplex_stream.pacing import RealtimePacing, WindowPacing
 from personaplex_stream.stream import _send_frames
 
 from personaplex_triton.core import trace
+from personaplex_triton.core.metrics import scrape, series_labels
 from personaplex_triton.serving.serving import starts_in_log
 
 from . import gpu_telemetry, stats, steal, ticks, workload
@@ -320,25 +321,78 @@ def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go
     return found
 
 
+GC_PAUSES = "personaplex_gc_pause_seconds"
+LONG_PAUSE_S = 0.02  # a bucket's bound (metrics.SECONDS_BUCKETS): pauses over it are counted apart
+
+
+def gc_counters(metrics_url: str) -> dict:
+    """The stubs' garbage-collection counters on the metrics endpoint: (model, generation) ->
+    {count, seconds, long (pauses over LONG_PAUSE_S)}."""
+    counters: dict = {}
+    for series, value in scrape(metrics_url).items():
+        if not series.startswith(GC_PAUSES + "_"):
+            continue
+        name, labels = series.split("{", 1)[0], series_labels(series)
+        entry = counters.setdefault((labels["model"], labels["generation"]), {"count": 0, "seconds": 0.0, "within": 0})
+        if name.endswith("_count"):
+            entry["count"] = value
+        elif name.endswith("_sum"):
+            entry["seconds"] = value
+        elif labels.get("le") == f"{LONG_PAUSE_S:g}":
+            entry["within"] = value
+    return {key: {"count": e["count"], "seconds": e["seconds"], "long": e["count"] - e["within"]}
+            for key, e in counters.items()}
+
+
+def _gc_counters_or_none(metrics_url: str | None, log: Log) -> dict | None:
+    if metrics_url is None:
+        return None
+    try:
+        return gc_counters(metrics_url)
+    except OSError as exc:  # a remote server's endpoint out of reach: the level runs without
+        log(f"  no garbage-collection counters from {metrics_url}: {exc}")
+        return None
+
+
+def add_collections(row: dict, before: dict, after: dict) -> None:
+    """The garbage collections each stub made over the level (gc_counters before and after):
+    model -> generation -> count, total ms, and how many paused over LONG_PAUSE_S."""
+    collections: dict = {}
+    for (model, generation), end in sorted(after.items()):
+        start = before.get((model, generation), {"count": 0, "seconds": 0.0, "long": 0})
+        if end["count"] > start["count"]:
+            collections.setdefault(model, {})[generation] = {
+                "count": int(end["count"] - start["count"]),
+                "total_ms": round((end["seconds"] - start["seconds"]) * 1000, 1),
+                "long": int(end["long"] - start["long"])}
+    row["collections"] = collections
+
+
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
           persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
-          trace_dir=None, gpu_memory=None, server_log: Path | None = None) -> list[dict]:
+          trace_dir=None, gpu_memory=None, server_log: Path | None = None,
+          metrics_url: str | None = None) -> list[dict]:
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
     frames are followed through the stages and each stage's ticks counted, over the level and per
     window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level. Where
     nvidia-smi runs, the GPU's clocks, power and temperatures are sampled along each level
     (add_gpu_telemetry), and the host's CPU busy and steal time from /proc/stat, GPU or not
-    (add_host_cpu). `server_log`: the server's log, for the talker's starts (add_starts)."""
+    (add_host_cpu). `server_log`: the server's log, for the talker's starts (add_starts).
+    `metrics_url`: the server's metrics endpoint, for the stubs' garbage collections over each
+    level (add_collections)."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
         log(f"[load] {n} conversation(s) at once, {frames} frames each, one every 80 ms"
             + (f", after {aged} frames unpaced" if aged else "")
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
+        before = _gc_counters_or_none(metrics_url, log)
         with gpu_telemetry.GpuTelemetry() as gpu, steal.CpuSampler() as host:
             outcomes, go = conversations(url, talks, log)
         row = load_row(n, outcomes, go, pool)
+        if before is not None and (after := _gc_counters_or_none(metrics_url, log)) is not None:
+            add_collections(row, before, after)
         add_gpu_telemetry(row, gpu.samples, go)
         add_host_cpu(row, host.samples, go)
         served = [o for o in outcomes if o.error is None]

@@ -20,7 +20,7 @@ from personaplex_triton.mimi.artefacts import file_sha256
 from personaplex_triton.serving.serving import slots_in_log
 
 from . import stats
-from .loadgen import NEW_PERSONA_AFTER_S
+from .loadgen import LONG_PAUSE_S, NEW_PERSONA_AFTER_S
 
 
 def machine() -> dict:
@@ -278,6 +278,7 @@ def _load_section(result: dict) -> list[str]:
     lines += _windows_trace_table(rows)
     lines += _windows_gpu_and_host_table(rows)
     lines += _ticks_table(rows)
+    lines += _collections_table(rows)
     if aged and any(r.get("ticks") for r in rows):
         lines += ["Where a frame's time goes, segment by segment, is left out with an aged context: the traces "
                   "follow a conversation's frames from its first, and its unpaced ones would swamp the paced.", ""]
@@ -413,6 +414,25 @@ def _windows_gpu_and_host_table(rows: list[dict]) -> list[str]:
                    if g else "- | - | - | - | - | -")
             host = f"{h['busy_pct']} ({h['busy_pct_max']}) | {h['steal_pct']} ({h['steal_pct_max']})" if h else "- | -"
             lines.append(f"{_window_start(r, w)} | {gpu} | {host} |")
+    return lines + [""]
+
+
+def _collections_table(rows: list[dict]) -> list[str]:
+    """The stubs' garbage collections over each level, from the metrics endpoint
+    (loadgen.add_collections): each holds its stub's GIL, so every thread there waits it out."""
+    counted = [r for r in rows if r.get("collections")]
+    if not counted:
+        return []
+    lines = ["### Garbage collections in the stubs", "",
+             "Over each level, from `personaplex_gc_pause_seconds` on the metrics endpoint: each stub's Python "
+             f"collections by generation, their count, total ms, and how many paused over {LONG_PAUSE_S * 1000:g} ms "
+             "(what a stub loaded is frozen out of them, core/collector.py).", "",
+             f"| conv. | model | generation | collections | total (ms) | over {LONG_PAUSE_S * 1000:g} ms |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in counted:
+        for model, generations in r["collections"].items():
+            for generation, c in generations.items():
+                lines.append(f"| {r['conversations']} | {model} | {generation} | {c['count']} | {c['total_ms']} | {c['long']} |")
     return lines + [""]
 
 

@@ -32,6 +32,8 @@ from personaplex_triton.serving.launch import TritonServer
 from . import loadgen, overhead, perf_analyzer, report, stats
 from .workload import PERSONA, frames as user_frames
 
+DEFAULT_METRICS_PORT = 8002  # tritonserver's, where --url names a server and --metrics-url does not
+
 STAGES = ("perf-analyzer", "load", "overhead")
 RESULTS = REPO_ROOT / "bench" / "results"
 
@@ -49,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--server-log", type=Path,
                         help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
+    parser.add_argument("--metrics-url",
+                        help="with --url: that server's metrics host:port, for the stubs' garbage collections over "
+                             "each load level (default: --url's host, port 8002; 'none': not read)")
     parser.add_argument("--name", help="machine part of the file names (default: from this machine's CPU / GPU)")
     report.add_commit_argument(parser)
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
@@ -95,8 +100,9 @@ def main(argv=None) -> int:
     if "perf-analyzer" in args.stages:
         log(f"[perf_analyzer] {perf_analyzer.check()}")  # before a server starts: fail fast
     if args.url:
+        metrics_url = args.metrics_url or f"{args.url.rsplit(':', 1)[0]}:{DEFAULT_METRICS_PORT}"
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
-                      server_log=args.server_log)
+                      server_log=args.server_log, metrics_url=None if metrics_url == "none" else metrics_url)
     repository = ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY
     log(f"[server] starting tritonserver on {repository.name}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -105,10 +111,11 @@ def main(argv=None) -> int:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
         return _bench(args, server.grpc_url, where, started, clock, local=True,
-                      server_log=args.out / "tritonserver.log")
+                      server_log=args.out / "tritonserver.log", metrics_url=server.metrics_url)
 
 
-def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None) -> int:
+def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None,
+           metrics_url: str | None = None) -> int:
     info = report.server_info(url, server_log)
     slots = info["talker"]["max_conversations"]  # None: auto, on a server whose log is not at hand
     if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
@@ -148,7 +155,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
         result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib,
-                                       server_log=server_log)
+                                       server_log=server_log, metrics_url=metrics_url)
         result["largest_held"] = stats.largest_held(result["load"])
     if "perf-analyzer" in args.stages:
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)

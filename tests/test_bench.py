@@ -283,7 +283,8 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
 
     assert run.main(["--url", server.grpc_url, "--server-log", str(server.log_path), "--stages", "load",
                      "--conversations", "2", "--seconds", "3", "--aged-context", "10", "--persona-every", "1.5",
-                     "--trace-dir", str(server.trace_dir), "--out", str(tmp_path), "--name", "t"]) == 0
+                     "--trace-dir", str(server.trace_dir), "--metrics-url", server.metrics_url,
+                     "--out", str(tmp_path), "--name", "t"]) == 0
     [saved] = tmp_path.glob("*-t-aged10.json")
     result = json.loads(saved.read_text())
     h = result["header"]
@@ -310,6 +311,10 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     text = (tmp_path / saved.name.replace(".json", ".md")).read_text()
     assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
     assert "### The talker's starts" in text and "### What new personas' starts cost" in text
+    # the stubs' garbage collections over the level, from the metrics endpoint: young ones at least
+    young = row["collections"]["talker"]["0"]
+    assert young["count"] > 0 and young["total_ms"] > 0 and 0 <= young["long"] <= young["count"]
+    assert "### Garbage collections in the stubs" in text
     near = row["near_starts"]
     assert near["own"]["frames"] > 0 and sum(near[g]["frames"] for g in ("near", "own", "elsewhere")) == 62
     assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()

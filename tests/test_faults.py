@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, is_final_response, stream_conversation
 from personaplex_triton.core import contract, loaders
-from personaplex_triton.core.metrics import scrape
+from personaplex_triton.core.metrics import scrape, series_labels
 from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 from personaplex_triton.serving import health, model_configs
 from personaplex_triton.serving.launch import TritonServer, child_processes
@@ -165,11 +165,6 @@ def test_vanished_client_frees_its_slot(faulty):
     assert time.monotonic() - vanished >= IDLE_TIMEOUT_S - 1
     _, error = raw_request(faulty, FRAME, 901, False, True)
     assert "conversation 901 is not open" in error and "idle too long" in error
-
-
-def series_labels(series: str) -> dict[str, str]:
-    """`name{a="1",b="2"}` -> {"a": "1", "b": "2"}."""
-    return dict(pair.split("=") for pair in series[series.index("{") + 1:-1].replace('"', "").split(","))
 
 
 def test_metrics_on_the_prometheus_endpoint(faulty):

@@ -58,6 +58,13 @@ def scrape(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
     return samples
 
 
+def series_labels(series: str) -> dict[str, str]:
+    """A sample's labels: `name{a="1",b="2"}` -> {"a": "1", "b": "2"} (none: {})."""
+    if "{" not in series:
+        return {}
+    return dict(pair.split("=", 1) for pair in series[series.index("{") + 1:-1].replace('"', "").split(","))
+
+
 def bucket_label(bound: float) -> str:
     """A bucket's `le` label, as Prometheus writes it."""
     return "+Inf" if bound == float("inf") else f"{bound:g}"

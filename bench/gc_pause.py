@@ -140,7 +140,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("collection pause (ms)")
     ax.set_ylabel("fraction of collections")
     ax.set_title("Garbage collections during ticks")
-    ax.legend()
+    if ax.lines:  # a short run may see no collection
+        ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -133,23 +133,8 @@ def markdown(result: dict, plot_name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for label, tree in result["trees"].items():
-        ticks = sorted(t["tick"] for t in tree["ticks"])
-        ax.plot(ticks, np.linspace(0, 1, len(ticks)), label=label)
-    ax.set_xlabel("tick CPU time (ms)")
-    ax.set_ylabel("fraction of ticks")
-    ax.set_title("CPU talker tick, one conversation")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.plot_cdf({label: [t["tick"] for t in tree["ticks"]] for label, tree in result["trees"].items()},
+                    "tick CPU time (ms)", "fraction of ticks", "CPU talker tick, one conversation", path)
 
 
 if __name__ == "__main__":

@@ -126,26 +126,10 @@ def markdown(result: dict, plot_name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for name, p in result["phases"].items():
-        pauses = sorted(v for g in p["collections"].values() for v in g["pauses_ms"])
-        if pauses:
-            ax.plot(pauses, [i / len(pauses) for i in range(1, len(pauses) + 1)], label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("collection pause (ms)")
-    ax.set_ylabel("fraction of collections")
-    ax.set_title("Garbage collections during ticks")
-    if ax.lines:  # a short run may see no collection
-        ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.plot_cdf({name: [v for g in p["collections"].values() for v in g["pauses_ms"]]
+                     for name, p in result["phases"].items()},
+                    "collection pause (ms)", "fraction of collections", "Garbage collections during ticks", path,
+                    log_x=True)
 
 
 if __name__ == "__main__":

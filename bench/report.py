@@ -516,3 +516,25 @@ def plot_perf_analyzer(rows: list[dict], title: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_cdf(series: dict[str, list[float]], xlabel: str, ylabel: str, title: str, path: Path,
+             log_x: bool = False) -> None:
+    """Each series' values as a cumulative distribution (the share of values at most x), one
+    line a label; an empty series draws no line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for label, values in series.items():
+        if values:
+            ordered = sorted(values)
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale="log" if log_x else "linear")
+    if ax.lines:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

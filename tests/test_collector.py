@@ -1,10 +1,13 @@
 """The garbage collector in a serving process (core/collector.py): what loading made is frozen
-out of its walks, and each collection is timed by generation."""
+out of its walks, each collection is timed by generation, and none runs while paused (a CUDA
+graph's capture)."""
 
 import gc
 import weakref
 
-from personaplex_triton.core.collector import PauseWatch, freeze_loaded
+import pytest
+
+from personaplex_triton.core.collector import PauseWatch, freeze_loaded, paused
 
 
 class Node:
@@ -42,3 +45,24 @@ def test_what_is_loaded_is_frozen_out_of_the_collections_and_garbage_is_not():
         gc.unfreeze()
     gc.collect()
     assert loaded_ref() is None
+
+
+def test_no_collection_runs_while_paused_and_the_collector_is_as_it_was_after():
+    watch = PauseWatch()
+    try:
+        with paused():
+            cycles = [Node() for _ in range(20 * gc.get_threshold()[0])]  # enough to trigger collections
+            assert not gc.isenabled()
+            assert watch.take() == {}
+        assert gc.isenabled()
+        del cycles
+        with pytest.raises(RuntimeError), paused():
+            raise RuntimeError("a failed capture")
+        assert gc.isenabled()
+        gc.disable()  # a process that had it off keeps it off
+        with paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        watch.close()

@@ -273,6 +273,36 @@ def test_a_graphed_tick_makes_few_pytorch_calls(files):
         talker.close()
 
 
+def test_no_garbage_collection_runs_inside_a_capture_and_one_walks_before_them_all():
+    """A collection that frees a CUDA graph mid-capture invalidates the capture; collecting
+    before each of a talker's hundred-odd captures cost a full walk each (collector.paused)."""
+    import gc
+
+    from personaplex_triton.core.collector import PauseWatch
+    from personaplex_triton.lm.graph_capture import capture_graphs
+
+    inside = []
+
+    def during(phase, info):
+        if phase == "start":
+            inside.append(torch.cuda.is_current_stream_capturing())
+
+    torch.manual_seed(0)
+    gen = SlotGenerator(tiny_moshi_lm("cuda", torch.bfloat16), SLOTS, cuda_graphs=True)
+    watch = PauseWatch()
+    gc.callbacks.append(during)
+    try:
+        captures = capture_graphs(gen) + len(gen.prefill)
+        full = watch.take().get(2, [])
+    finally:
+        gc.callbacks.remove(during)
+        watch.close()
+        gen.close()
+    assert captures >= 10 and inside, (captures, inside)
+    assert not any(inside), "a collection ran inside a capture"
+    assert 1 <= len(full) <= 2, f"{len(full)} full collections for {captures} captures"
+
+
 def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once(files, monkeypatch):
     """A new persona's start in pieces (8-position prefill passes) while another conversation
     ticks between them, its graphed steps padding their batch with slots they do not carry (the

@@ -6,12 +6,14 @@ the tick's thread among them. A full one (generation 2) walks every object the c
 tracks. Once the talker has loaded (torch, moshi, the model's modules), its process tracks
 about 350,000 objects, and a full collection of them took 127 ms on this repository's 2-core
 CPU (`python -m bench.gc_pause`, bench/results/2026-12-05-gc-pause-cpu2.md). Those objects live as long as the process: frozen
-(`gc.freeze`), a collection skips them.
+(`gc.freeze`), a collection skips them. While a CUDA graph is captured, no collection runs at
+all (`paused`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import time
 
@@ -23,6 +25,22 @@ def freeze_loaded() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def paused():
+    """No automatic collection inside the block; the collector is as it was after it. A CUDA
+    graph freed by a collection (of some unclosed generator's cycle, say) while another graph
+    is being captured invalidates that capture. Pausing costs nothing, where collecting before
+    each capture was a full walk of the loaded process each time (a talker captures about a
+    hundred graphs at load)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class PauseWatch:

@@ -4,6 +4,7 @@ nothing a client sends makes the server capture another (step_graphs.py holds th
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +23,7 @@ def capture_graphs(generator: SlotGenerator) -> int:
     of each length (prefill_graphs.py). Returns how many step graphs."""
     if not generator.graphs.enabled:
         return 0
+    gc.collect()  # once: garbage still holding GPU memory is freed before the graphs take theirs
     bounds = (generator.top_k_text_bound, generator.top_k_bound)
     for b in generator.buckets:
         idle = torch.from_numpy(tick_inputs(np.arange(b), 0))  # no row steps: every slot stays as it was

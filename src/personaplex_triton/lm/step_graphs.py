@@ -12,30 +12,29 @@ with graphs off, the step runs as it is.
 
 from __future__ import annotations
 
-import gc
 from typing import Callable
 
 import torch
 from moshi.utils.compile import no_cuda_graph
 
+from ..core.collector import paused
 from .step_inputs import ACTIVE
 
 
 def capture(warm_up: Callable, body: Callable, device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """A CUDA graph of `body()` (in the graph memory pool `pool`, None: its own), after
     `warm_up()` on a side stream, as capture requires; moshi's own graphs stay out of both.
-    Returns the graph and what `body` returned (its outputs, which each replay overwrites)."""
-    # A CUDA graph freed while another is being captured (by a garbage collection of some
-    # unclosed generator, say) invalidates that capture: collect before it.
-    gc.collect()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), no_cuda_graph():
-        warm_up()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), no_cuda_graph():
-        outputs = body()
+    Returns the graph and what `body` returned (its outputs, which each replay overwrites).
+    No garbage collection runs meanwhile (`collector.paused`)."""
+    with paused():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), no_cuda_graph():
+            warm_up()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), no_cuda_graph():
+            outputs = body()
     return graph, outputs
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..core.buckets import batch_buckets, bucket_for
+from ..core.collector import paused
 from .artefacts import onnx_path, plan_path, read_metadata, stale_reason
 from .steps import STEPS, MimiStep, TensorSpec, write_state
 
@@ -141,14 +142,15 @@ class TorchStepRunner(StepRunner):
             write_state(pool, rows, outputs, self.state_specs)
             return y
 
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up, as capture requires, off the main stream (spare row only)
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=memory):
-            y = step()
+        with paused():  # no collection frees a graph mid-capture (core/collector.py)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up, as capture requires, off the main stream (spare row only)
+                step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory):
+                y = step()
         return graph, x, rows, y
 
 

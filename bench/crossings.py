@@ -117,9 +117,7 @@ def plot(result: dict, path: Path) -> None:
                  f"{result['machine']['cores']} cores")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -319,11 +319,8 @@ def plot(result: dict, path: Path) -> None:
         axis.title.set_fontsize(9)
         axis.legend(fontsize=8)
     h = result["header"]
-    fig.suptitle(f"Gateway latency per frame, paced: {h['machine']['cpu']}, {h['machine']['cores']} cores, "
-                 f"{h['date'][:16]} UTC, {h['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path, f"Gateway latency per frame, paced: {h['machine']['cpu']}, "
+                       f"{h['machine']['cores']} cores, {h['date'][:16]} UTC, {h['commit']}", fontsize=9, dpi=110)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

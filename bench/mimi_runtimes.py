@@ -242,9 +242,7 @@ def write_report(report: dict, out: Path) -> None:
                xticklabels=[f"batch {b}" for b in batches], title=f"Mimi {stage}")
     axes[0].set_ylabel("ms per frame")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{report['machine']}, {report['date']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "mimi_runtimes.png", dpi=110)
+    run_report.save_figure(fig, out / "mimi_runtimes.png", f"{report['machine']}, {report['date']}", fontsize=8, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -197,10 +197,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("fraction of starts")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"A conversation's start ({result['device']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.save_figure(fig, path, f"A conversation's start ({result['device']})")
 
 
 if __name__ == "__main__":

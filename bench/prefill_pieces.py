@@ -25,7 +25,6 @@ from pathlib import Path
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before moshi is imported
 
-import numpy as np
 import torch
 
 from bench import report
@@ -165,10 +164,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("ms")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(f"A new persona's start, piece by piece ({result['device']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.save_figure(fig, path, f"A new persona's start, piece by piece ({result['device']})")
 
 
 if __name__ == "__main__":

@@ -465,6 +465,17 @@ def _ticks_table(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------- plots
 
 
+def save_figure(fig, path: Path, title: str | None = None, fontsize: float | None = None, dpi: int = 100) -> None:
+    """Title a matplotlib figure (its suptitle), lay it out, write it to `path` and close it."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_load(rows: list[dict], title: str, path: Path) -> None:
     """Left: p50 / p95 / p99 against conversations. Middle and right, along the run (per window
     of the paced part), one line per level: p99, and frames over 80 ms."""
@@ -489,10 +500,7 @@ def plot_load(rows: list[dict], title: str, path: Path) -> None:
     right.set(xlabel="time along the run (s, window start)", ylabel="frames over 80 ms in the window")
     for ax in (middle, right):
         ax.legend(title="conversations", fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title, fontsize=9, dpi=110)
 
 
 def plot_perf_analyzer(rows: list[dict], title: str, path: Path) -> None:
@@ -512,10 +520,7 @@ def plot_perf_analyzer(rows: list[dict], title: str, path: Path) -> None:
     right.axhline(1000 / stats.FRAME_MS, color="grey", lw=0.8, label="one real-time conversation")
     right.set(xlabel="concurrency (sequences)", ylabel="frames / s, all sequences")
     right.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title, fontsize=9, dpi=110)
 
 
 def plot_cdf(series: dict[str, list[float]], xlabel: str, ylabel: str, title: str, path: Path,
@@ -535,6 +540,4 @@ def plot_cdf(series: dict[str, list[float]], xlabel: str, ylabel: str, title: st
     if ax.lines:
         ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

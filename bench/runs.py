@@ -131,9 +131,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"{result['conversations']} paced conversation(s), servers taking turns")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 if __name__ == "__main__":

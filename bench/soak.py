@@ -275,9 +275,7 @@ def plot(result: dict, path: Path) -> None:
     bottom.set_ylabel("slots in use")
     bottom.set_xlabel("s since start")
     bottom.legend()
-    fig.suptitle(f"Soak {result['date'][:10]}, {result['machine']['slug']}")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report.save_figure(fig, path, f"Soak {result['date'][:10]}, {result['machine']['slug']}")
 
 
 def main(argv=None) -> int:

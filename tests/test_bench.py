@@ -184,7 +184,6 @@ def test_windows_gain_the_ticks_and_segments_of_their_own_stretch_from_the_trace
     more), sent 6 ms after, and code2wav waits 5 ms."""
     from types import SimpleNamespace
 
-    from bench import ticks
     from personaplex_triton.core import trace
 
     go = 1000.0

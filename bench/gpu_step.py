@@ -15,8 +15,9 @@ streaming Mimi decode (Code2Wav.tick). Each kernel set (ring: the project's kern
 modules) and KV cache dtype (kv_cache.py) at each context fill; per KV dtype, the bytes a
 conversation holds and how many fit beside the weights (a pool of more than `max_conversations
 auto` gives is not run); the greedy samples of the project's kernels against moshi's modules,
-and of fp8 against bf16 KV, from the same states (`agreement`); with --anchor, moshi's own step
-of the same session beside the ticks.
+of moshi's modules alone against the same in a batch of 8 (bf16's own floor), and of fp8
+against bf16 KV, from the same states (`agreement`); with --anchor, moshi's own step of the
+same session beside the ticks.
 """
 
 import argparse
@@ -44,48 +45,51 @@ def age(generator, frames: int) -> None:
             state.offset[:] = frames
 
 
-def agreement(lm, frames: int, reference: dict, candidate: dict) -> dict:
+def agreement(lm, frames: int, reference: dict, candidate: dict, candidate_rows: int = 1) -> dict:
     """From one state per step, what two generators on `lm`'s weights sample (eager, greedy,
     text and the agent's 8 codebooks, the user's 8 being forced; `reference` and `candidate`:
     their SlotGenerator options), over `frames` steps of one conversation on random user
-    codes: each step is played by both from
-    the reference's state, then the conversation goes on from the reference's. Agreement from
-    one state, not of two free runs: with random weights one flipped near-tie sends two free
-    runs apart for good."""
+    codes: each step is played by both from the reference's state, then the conversation goes
+    on from the reference's. Agreement from one state, not of two free runs: with random
+    weights one flipped near-tie sends two free runs apart for good. The candidate steps
+    `candidate_rows` rows, the conversation in the first and others on their own random codes
+    beside it: a batch's shape may change which kernels a GPU runs, and so the sums' order."""
     from personaplex_triton.lm.generation import SlotGenerator, StepInputs
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.lm.token_grid import NUM_AUDIO
 
     twin = copy.deepcopy(lm, memo={id(t): t for t in (*lm.parameters(), *lm.buffers())})  # own streaming state
-    generators = [SlotGenerator(model, 1, cuda_graphs=False, **options)
-                  for model, options in ((lm, reference), (twin, candidate))]
+    generators = [SlotGenerator(model, rows, cuda_graphs=False, **options)
+                  for model, options, rows in ((lm, reference, 1), (twin, candidate, candidate_rows))]
     samples = [None, None]
     for i, generator in enumerate(generators):
         def recorded(*args, i=i, model_step=generator.model_step):
             samples[i] = model_step(*args)
             return samples[i]
         generator.model_step = recorded
-        generator.start(0, SamplingParams(greedy=True))
+        for slot in range(generator.num_slots):
+            generator.start(slot, SamplingParams(greedy=True))
+    device = lm.device
     codes = torch.Generator().manual_seed(0)
     equal = total = 0
     differing_steps = []
     for step in range(frames):
-        none = torch.zeros(1, dtype=torch.bool, device="cuda")
-        inputs = StepInputs(torch.ones(1, dtype=torch.bool, device="cuda"),
-                            torch.randint(0, 2048, (1, 8), generator=codes).cuda(),
-                            torch.zeros(1, 8, dtype=torch.long, device="cuda"), none,
-                            torch.zeros(1, dtype=torch.long, device="cuda"), none)
+        user = torch.randint(0, 2048, (candidate_rows, 8), generator=codes)
         generators[1].restore([0], generators[0].snapshot(0))
         for generator in generators:
-            generator.step(inputs)
-        same = samples[0][:, :1 + NUM_AUDIO] == samples[1][:, :1 + NUM_AUDIO]
+            b = generator.num_slots
+            none = torch.zeros(b, dtype=torch.bool, device=device)
+            generator.step(StepInputs(torch.ones(b, dtype=torch.bool, device=device), user[:b].to(device),
+                                      torch.zeros(b, 8, dtype=torch.long, device=device), none,
+                                      torch.zeros(b, dtype=torch.long, device=device), none))
+        same = samples[0][:1, :1 + NUM_AUDIO] == samples[1][:1, :1 + NUM_AUDIO]
         equal += int(same.sum())
         total += same.numel()
         if not bool(same.all()):
             differing_steps.append(step)
     for generator in generators:
         generator.close()
-    return {"frames": frames, "tokens_equal_pct": round(100 * equal / total, 2),
+    return {"frames": frames, "candidate_rows": candidate_rows, "tokens_equal_pct": round(100 * equal / total, 2),
             "steps_with_a_difference": len(differing_steps), "first_differing_steps": differing_steps[:10]}
 
 
@@ -161,6 +165,9 @@ def main():
         agreements["attention"] = agreement(lm, args.agreement_frames, {"ring": False}, {"ring": True})
         print("per-step agreement, the project's kernels vs moshi's modules (eager):", agreements["attention"],
               flush=True)
+        # bf16's own floor: moshi's modules against themselves, the conversation alone and in a batch of 8
+        agreements["batch"] = agreement(lm, args.agreement_frames, {"ring": False}, {"ring": False}, candidate_rows=8)
+        print("per-step agreement, moshi's modules alone vs in a batch of 8 (eager):", agreements["batch"], flush=True)
     if args.agreement_frames and set(args.kv_dtype) == set(kv_cache.KV_DTYPES):
         agreements["kv"] = agreement(lm, args.agreement_frames, {"kv_dtype": torch.bfloat16},
                                      {"kv_dtype": torch.float8_e4m3fn})
@@ -206,7 +213,8 @@ def main():
               "torch": torch.__version__, "python": platform.python_version(),
               "lm_parameters": params, "dtype": "bfloat16", "cuda_graphs": not args.no_cuda_graphs,
               "build_s": round(build_s, 1), "steps": args.steps, "rows": rows, "code2wav": code2wav,
-              "memory": memory, "agreement": agreements.get("attention"), "kv_agreement": agreements.get("kv"),
+              "memory": memory, "agreement": agreements.get("attention"), "batch_agreement": agreements.get("batch"),
+              "kv_agreement": agreements.get("kv"),
               "anchor": read_anchor(args.anchor) if args.anchor else None}
     write_report(report, args.out, "gpu_step" if report["cuda_graphs"] else "gpu_step_eager")
 
@@ -331,6 +339,8 @@ def write_report(report, out: Path, name: str) -> None:
     lines += [f"| {r['slots']} | {r['code2wav_tick_ms']} | {r.get('code2wav_peak_gib', '')} |" for r in report["code2wav"]]
     for key, what in (("agreement", "the eager step on the project's kernels (ring attention, fused RoPE, norms and "
                                     "gatings) against moshi's modules"),
+                      ("batch_agreement", "moshi's modules on the conversation alone against the same in a batch of "
+                                          "8 (bf16's floor: the same code, only the batch's shape differs)"),
                       ("kv_agreement", "the eager step with an fp8 KV cache against a bf16 one (ring attention)")):
         if report.get(key):
             a = report[key]

@@ -646,3 +646,18 @@ def test_gc_pause_times_a_full_collection_as_loaded_and_frozen(tiny_checkpoint, 
     assert frozen["frozen_objects"] > 100_000 and frozen["tracked_objects"] < loaded["tracked_objects"] / 10
     assert loaded["ticks"] > 0 and frozen["ticks"] > 0
     assert "| frozen |" in next(tmp_path.glob("*-t.md")).read_text()
+
+
+def test_agreement_compares_one_conversation_from_the_same_state_alone_and_in_a_batch():
+    """bench/gpu_step.py's greedy agreement, run on the CPU: moshi's bf16 step gives a
+    conversation the same tokens alone and beside 3 others there (on a GPU the batch's shape
+    may change the kernels, and this measures what that costs)."""
+    import torch
+    from conftest import tiny_moshi_lm
+
+    from bench.gpu_step import agreement
+
+    torch.manual_seed(0)
+    result = agreement(tiny_moshi_lm("cpu", torch.bfloat16), 12, {"ring": False}, {"ring": False}, candidate_rows=4)
+    assert result == {"frames": 12, "candidate_rows": 4, "tokens_equal_pct": 100.0, "steps_with_a_difference": 0,
+                      "first_differing_steps": []}

@@ -273,10 +273,12 @@ def test_a_graphed_tick_makes_few_pytorch_calls(files):
         talker.close()
 
 
-def test_no_garbage_collection_runs_inside_a_capture_and_one_walks_before_them_all():
+def test_no_garbage_collection_runs_inside_a_capture_and_one_walks_before_them_all(caplog):
     """A collection that frees a CUDA graph mid-capture invalidates the capture; collecting
-    before each of a talker's hundred-odd captures cost a full walk each (collector.paused)."""
+    before each of a talker's hundred-odd captures cost a full walk each (collector.paused).
+    The load's log says how long the captures took."""
     import gc
+    import logging
 
     from personaplex_triton.core.collector import PauseWatch
     from personaplex_triton.lm.graph_capture import capture_graphs
@@ -292,15 +294,17 @@ def test_no_garbage_collection_runs_inside_a_capture_and_one_walks_before_them_a
     watch = PauseWatch()
     gc.callbacks.append(during)
     try:
-        captures = capture_graphs(gen) + len(gen.prefill)
+        with caplog.at_level(logging.INFO, logger="personaplex_triton"):
+            steps, prefills = capture_graphs(gen), len(gen.prefill)
         full = watch.take().get(2, [])
     finally:
         gc.callbacks.remove(during)
         watch.close()
         gen.close()
-    assert captures >= 10 and inside, (captures, inside)
+    assert steps + prefills >= 10 and inside, (steps, prefills, inside)
     assert not any(inside), "a collection ran inside a capture"
-    assert 1 <= len(full) <= 2, f"{len(full)} full collections for {captures} captures"
+    assert 1 <= len(full) <= 2, f"{len(full)} full collections for {steps + prefills} captures"
+    assert f"{steps} step graphs and {prefills} prefill graphs captured in" in caplog.text
 
 
 def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once(files, monkeypatch):

@@ -48,6 +48,22 @@ def test_a_tick_carries_each_waiting_conversations_next_frame_at_once():
     assert scheduler.schedule() is None
 
 
+def test_a_ticks_rows_and_so_its_answers_go_oldest_frame_first_whatever_the_join_order():
+    """The plan's order is the order the tick's answers are sent in, one after another: the frame
+    that waited longest goes first, not the conversation that joined first."""
+    clock = Clock()
+    table = table_with(4)
+    scheduler = Scheduler(table, clock=clock)
+    for key in (2, 0, 3):  # arrivals 1 ms apart; conversation 1 sends nothing
+        queue(table, key, clock)
+        clock.now += 0.001
+    assert list(scheduler.schedule().items) == [2, 0, 3]
+    queue(table, 1, clock)
+    clock.now += 0.001
+    queue(table, 0, clock)  # a later frame of an earlier conversation
+    assert list(scheduler.schedule().items) == [1, 0]
+
+
 def test_a_gathering_tick_waits_for_the_rest_of_the_oldest_frames_group_at_most_its_bound():
     """code2wav's way: items name their group (the talker tick that answered them) and its size;
     a tick waits until the oldest item's group is all there, or gather_max_s has passed."""

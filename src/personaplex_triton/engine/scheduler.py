@@ -2,7 +2,13 @@
 step (ticker.py) and from the answers (outbox.py, answers.py), as in vLLM's engine.
 
 `schedule()` returns a `TickPlan`: each waiting conversation's next frame, packed (the stage
-runs exactly those rows: a compact tick, lm/slot_states.py). A tick starts as soon as a frame
+runs exactly those rows: a compact tick, lm/slot_states.py), the frame that has waited longest
+first. The plan's order is the order in which the tick's answers leave, one send after another
+(a Python-backend stub sends one response at a time, about half a millisecond each at load):
+oldest first, the frame nearest its deadline does not queue behind the others' sends. In the
+conversations' join order, which the rows followed before, the last to join always went last:
+on the H200 at 64 conversations (a8cdabc's 4-minute run) the last-started quarter's p99 was
+84.2 ms against the first quarter's 72.0, their late frames 1.30% against 0.60%. A tick starts as soon as a frame
 waits: in the H200's tick model (shared/tools/tick_sim.py) such ticks regulate themselves (a
 longer tick lets more frames gather for the next, so batches grow with load), and waiting for
 deadlines added latency and gained nothing. A stage whose frames arrive one response at a
@@ -135,12 +141,13 @@ class Scheduler:
         return 0.0 if arrived >= size else max(0.0, queued + self.gather_max_s - now)
 
     def schedule(self) -> TickPlan | None:
-        """The next tick, if one is due: every waiting conversation's next frame."""
+        """The next tick, if one is due: every waiting conversation's next frame, oldest first."""
         due = self.due_in()
         if due is None or due > 0:
             return None
         self._last_tick_at = self._clock()
-        return TickPlan({c.slot: (c, *c.queue.popleft()) for c in self._table.ready() if c.queue})
+        rows = [(c.slot, (c, *c.queue.popleft())) for c in self._table.ready() if c.queue]
+        return TickPlan(dict(sorted(rows, key=lambda row: row[1][3])))  # by the time each was queued
 
     # -- what ticks cost ----------------------------------------------------------------------
     def record(self, frames: int, seconds: float) -> None:

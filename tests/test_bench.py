@@ -661,3 +661,25 @@ def test_agreement_compares_one_conversation_from_the_same_state_alone_and_in_a_
     result = agreement(tiny_moshi_lm("cpu", torch.bfloat16), 12, {"ring": False}, {"ring": False}, candidate_rows=4)
     assert result == {"frames": 12, "candidate_rows": 4, "tokens_equal_pct": 100.0, "steps_with_a_difference": 0,
                       "first_differing_steps": []}
+
+
+def test_send_order_reads_a_runs_conversations_by_start_quarter_and_models_the_two_orders(tmp_path):
+    from bench import send_order
+
+    level = {"per_conversation": [{"start_s": 0.1 * i} for i in (3, 0, 2, 1, 5, 4, 7, 6, 8)],
+             "latencies_ms": [[40.0 + 10 * i] * 1000 for i in (3, 0, 2, 1, 5, 4, 7, 6)] + [[99.0] * 10]}
+    rows = send_order.by_start_quarter(level)  # the last conversation is too short to count
+    assert [r["conversations"] for r in rows] == [2, 2, 2, 2]
+    assert [r["p50"] for r in rows] == [45.0, 65.0, 85.0, 105.0]
+    assert [r["late_pct"] for r in rows] == [0.0, 0.0, 50.0, 100.0]  # 80 ms is on time
+
+    kwargs = dict(conversations=64, seconds=10, tick_fixed_ms=11.9, tick_per_frame_ms=0.38, send_ms=0.5,
+                  code2wav_tick_ms=3.5, code2wav_send_ms=0.3, other_ms=10.0)
+    join, oldest = (send_order.simulate(**kwargs, oldest_first=flag) for flag in (False, True))
+    assert join["last_joiner_p99"] > join["first_joiner_p99"] + 5  # the last joiner's answer always went last
+    assert abs(oldest["last_joiner_p99"] - oldest["first_joiner_p99"]) < 3
+    assert oldest["p99"] < join["p99"] and abs(oldest["p50"] - join["p50"]) < 2
+
+    assert send_order.main(["--conversations", "8", "--seconds", "2", "--out", str(tmp_path), "--name", "t"]) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert [name.split("-send-order-")[1] for name in written] == ["t.json", "t.md", "t.png"]

@@ -8,7 +8,8 @@ first. The plan's order is the order in which the tick's answers leave, one send
 oldest first, the frame nearest its deadline does not queue behind the others' sends. In the
 conversations' join order, which the rows followed before, the last to join always went last:
 on the H200 at 64 conversations (a8cdabc's 4-minute run) the last-started quarter's p99 was
-84.2 ms against the first quarter's 72.0, their late frames 1.30% against 0.60%. A tick starts as soon as a frame
+84.6 ms against the first quarter's 72.6, their late frames 1.33% against 0.64%
+(`python -m bench.send_order`). A tick starts as soon as a frame
 waits: in the H200's tick model (shared/tools/tick_sim.py) such ticks regulate themselves (a
 longer tick lets more frames gather for the next, so batches grow with load), and waiting for
 deadlines added latency and gained nothing. A stage whose frames arrive one response at a

@@ -10,12 +10,16 @@ join always waited longest.
   and frames over 80 ms by the order the conversations started in, in quarters. In join order
   the later quarters are later.
 - The model: `--conversations` paced conversations (an 80 ms frame each, random phases, 1 ms
-  jitter); ticks back to back, each carrying every waiting conversation's oldest frame, at
-  `--tick-fixed-ms` + `--tick-per-frame-ms` a frame (the H200's served talker: 17.4 ms for 14.5
-  frames at 64, a8cdabc); then each answer's send, `--send-ms` apiece one after another, code2wav's
-  tick and its sends in the same order, and `--other-ms` for the rest of the trip (the hops;
-  by default what brings the model's median near the run's, 45 ms). Join order against oldest first: p50, p99, frames over 80 ms, and the p99 of the first
-  and the last conversation to join. A model, not a measurement.
+  jitter); talker ticks back to back, each carrying every waiting conversation's oldest frame,
+  at `--tick-fixed-ms` + `--tick-per-frame-ms` a frame (the H200's served talker: 17.4 ms for
+  14.5 frames at 64, a8cdabc); the tick's answers sent one after another, `--send-ms` apiece;
+  code2wav gathers the whole tick (its tick starts after the last of those sends, as served),
+  ticks for `--code2wav-tick-ms` and sends its answers in the order they arrived,
+  `--code2wav-send-ms` apiece; `--other-ms` for the rest of the trip (the hops; by default what
+  brings the model's median near the run's, 45 ms). The send times are a8cdabc's send segments'
+  medians over the middle of a 15-frame tick. So the order that counts is code2wav's, which
+  follows the talker's. Join order against oldest first: p50, p99, frames over 80 ms, and the p99
+  of the first and the last conversation to join. A model, not a measurement.
 
     python -m bench.send_order --result bench/results/2026-12-05-h200-n64-240s-bf16.json --name h200-a8cdabc
 
@@ -80,8 +84,9 @@ def simulate(conversations: int, seconds: float, oldest_first: bool, tick_fixed_
         waiting = later
         end = now + tick_fixed_ms + tick_per_frame_ms * len(tick)
         tick.sort(key=(lambda frame: frame[0]) if oldest_first else (lambda frame: frame[1]))
+        decoded = end + len(tick) * send_ms + code2wav_tick_ms  # code2wav waits for the tick's last answer
         for position, (arrived, conversation) in enumerate(tick, 1):
-            answered = end + position * send_ms + code2wav_tick_ms + position * code2wav_send_ms + other_ms
+            answered = decoded + position * code2wav_send_ms + other_ms
             per_conversation[conversation].append(answered - arrived)
         now = end
     latencies = np.concatenate([np.asarray(x) for x in per_conversation])
@@ -138,10 +143,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--tick-fixed-ms", type=float, default=11.9)
     parser.add_argument("--tick-per-frame-ms", type=float, default=0.38)
-    parser.add_argument("--send-ms", type=float, default=0.5)
+    parser.add_argument("--send-ms", type=float, default=0.65)
     parser.add_argument("--code2wav-tick-ms", type=float, default=3.5)
-    parser.add_argument("--code2wav-send-ms", type=float, default=0.3)
-    parser.add_argument("--other-ms", type=float, default=10.0)
+    parser.add_argument("--code2wav-send-ms", type=float, default=0.45)
+    parser.add_argument("--other-ms", type=float, default=4.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="model")
     report.add_commit_argument(parser)

@@ -673,8 +673,8 @@ def test_send_order_reads_a_runs_conversations_by_start_quarter_and_models_the_t
     assert [r["p50"] for r in rows] == [45.0, 65.0, 85.0, 105.0]
     assert [r["late_pct"] for r in rows] == [0.0, 0.0, 50.0, 100.0]  # 80 ms is on time
 
-    kwargs = dict(conversations=64, seconds=10, tick_fixed_ms=11.9, tick_per_frame_ms=0.38, send_ms=0.5,
-                  code2wav_tick_ms=3.5, code2wav_send_ms=0.3, other_ms=10.0)
+    kwargs = dict(conversations=64, seconds=10, tick_fixed_ms=11.9, tick_per_frame_ms=0.38, send_ms=0.65,
+                  code2wav_tick_ms=3.5, code2wav_send_ms=0.45, other_ms=4.0)
     join, oldest = (send_order.simulate(**kwargs, oldest_first=flag) for flag in (False, True))
     assert join["last_joiner_p99"] > join["first_joiner_p99"] + 5  # the last joiner's answer always went last
     assert abs(oldest["last_joiner_p99"] - oldest["first_joiner_p99"]) < 3

@@ -108,8 +108,9 @@ def markdown(result: dict, plot_name: str) -> str:
     m = result["model"]
     lines += ["## The model (not a measurement)", "",
               f"{m['conversations']} conversations for {m['seconds']:g} s; a tick {m['tick_fixed_ms']} ms + "
-              f"{m['tick_per_frame_ms']} ms a frame; sends {m['send_ms']} ms (talker) and {m['code2wav_send_ms']} ms "
-              f"(code2wav) apiece, one after another; code2wav's tick {m['code2wav_tick_ms']} ms; the rest of the "
+              f"{m['tick_per_frame_ms']} ms a frame; the talker's sends {m['send_ms']} ms apiece, one after another; "
+              f"code2wav's tick, {m['code2wav_tick_ms']} ms, after the last of them (it gathers the talker's tick), "
+              f"then its sends, {m['code2wav_send_ms']} ms apiece in the order its frames arrived; the rest of the "
               f"trip {m['other_ms']} ms.", "",
               "| order | p50 (ms) | p99 (ms) | over 80 ms | first joiner's p99 (ms) | last joiner's p99 (ms) |",
               "| --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -196,7 +196,10 @@ def markdown(result: dict) -> str:
              f"({m['cores']} cores)", "",
              f"Workload: `samples/user.wav` in 80 ms frames (1920 samples), voice {h['persona']['voice']}, "
              f"role prompt \"{h['persona']['text_prompt']}\", shared by every conversation (a seed each), so "
-             "conversations start from the server's persona cache.", ""]
+             "conversations start from the server's persona cache. "
+             + (f"The conversations were dealt to {h['client_processes']} client processes."
+                if h.get("client_processes", 1) > 1 else "One client process sent and received every conversation."),
+             ""]
     if "first_audio_new_persona_ms" in result:
         lines += [f"First audio of the persona's first conversation (its prefill, unless the server saw "
                   f"the persona before): {result['first_audio_new_persona_ms']} ms.", ""]

@@ -334,6 +334,23 @@ def test_a_level_past_the_pool_counts_its_refused_start_and_fails_none(server):
 
 
 @pytest.mark.integration
+def test_a_level_dealt_to_client_processes_starts_them_together_and_keeps_each_conversations_frames(server):
+    """Two conversations in two client processes: both paced from one shared start, every frame
+    answered and traced, the outcomes back in the level's order."""
+    [row] = loadgen.sweep(server.grpc_url, 6, [2], log=lambda _: None, trace_dir=server.trace_dir,
+                          client_processes=2)
+    assert row["failed"] == 0 and row["frames"] == 12 and [len(ms) for ms in row["latencies_ms"]] == [6, 6]
+    assert [c["start_s"] for c in row["per_conversation"]] == [0.0, 0.0]
+    assert row["trace"]["frames_traced"] == 12
+    with pytest.raises(ValueError, match="paced starts"):
+        loadgen.conversations(server.grpc_url, loadgen.plan(2, 4, aged=2), lambda _: None, processes=2)
+    from bench import run
+
+    with pytest.raises(SystemExit):
+        run.parse_args(["--client-processes", "2", "--aged-context", "5"])
+
+
+@pytest.mark.integration
 def test_perf_analyzer_against_the_server(server, tmp_path):
     try:
         perf_analyzer.check()

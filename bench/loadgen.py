@@ -22,7 +22,9 @@ conversation's frames, on a gRPC stream and a thread each. At 64 conversations t
 messages a second under one GIL, and a receive that waits for it is counted as the server's
 latency (the hops to and from the client had a p99 of 4.3 and 3.3 ms at 64 on the H200, 1.9 and
 0.6 at 1). With `client_processes` K the conversations are dealt to K processes, which start
-their schedules from one shared moment. A real caller has a process of its own.
+their schedules from one shared moment; by default one process per 16 conversations
+(`client_processes_for`). A real caller has a process of its own. Each level's row says what
+the client's processes cost (`add_client`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ RESPONSE_TIMEOUT_S = 60.0  # a stall, not a conversation's length: a 5-minute co
 AGED_IN_FLIGHT = 8  # unanswered frames of an aged start's unpaced part
 WINDOW_S = 10.0  # the windows along a level's run (stats.windows)
 CLIENT_START_S = 60.0  # client processes that have not all started their interpreters by then fail the level
+# Conversations a client process takes by default: a paced frame costs the client about 1 ms of
+# CPU under its GIL on a 2-core Xeon (send, answer, pacing), so 16 keep one process near a fifth of a core.
+CONVERSATIONS_PER_CLIENT_PROCESS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +189,23 @@ def _aged_conversation(frames, url: str, talk: Talk, arrive, start_line: StartLi
     return answers.result(sequence_id), pacing.aged_s
 
 
+def client_processes_for(n: int, aged: int, setting: int | None) -> int:
+    """The client processes of a level of `n` conversations: `setting`, or by default one per
+    CONVERSATIONS_PER_CLIENT_PROCESS (an aged level: one, its start line is one process's)."""
+    if setting is not None:
+        return setting
+    return 1 if aged else -(-n // CONVERSATIONS_PER_CLIENT_PROCESS)
+
+
 def conversations(url: str, talks: list[Talk], log: Log, processes: int = 1,
-                  go: float | None = None) -> tuple[list[Outcome], float]:
-    """Every talk of a level at once, each on its own thread and stream; their Outcomes in order
-    and the level's start (`go`, wall clock; default now). The first conversation reports its
-    progress. `processes` > 1: the talks dealt to that many client processes (module docstring)."""
+                  go: float | None = None) -> tuple[list[Outcome], float, list[float]]:
+    """Every talk of a level at once, each on its own thread and stream: their Outcomes in
+    order, the level's start (`go`, wall clock; default now) and each client process's CPU
+    seconds over it. The first conversation reports its progress. `processes` > 1: the talks
+    dealt to that many client processes (module docstring)."""
     if processes > 1:
         return _in_processes(url, talks, processes)
+    cpu = time.process_time()
     line = StartLine(sum(t.aged > 0 for t in talks), go)
     outcomes = [Outcome(t) for t in talks]
     clock = time.monotonic()
@@ -229,10 +244,10 @@ def conversations(url: str, talks: list[Talk], log: Log, processes: int = 1,
         t.start()
     for t in threads:
         t.join()
-    return outcomes, line.wait()
+    return outcomes, line.wait(), [time.process_time() - cpu]
 
 
-def _in_processes(url: str, talks: list[Talk], processes: int) -> tuple[list[Outcome], float]:
+def _in_processes(url: str, talks: list[Talk], processes: int) -> tuple[list[Outcome], float, list[float]]:
     """`conversations` with the talks dealt round-robin to `processes` client processes
     (spawned: gRPC does not survive a fork), released together once every one has started."""
     if any(t.aged for t in talks):
@@ -255,8 +270,10 @@ def _in_processes(url: str, talks: list[Talk], processes: int) -> tuple[list[Out
             for _ in workers:
                 release.put(go)
             outcomes: list[Outcome | None] = [None] * len(talks)
+            cpu_s = [0.0] * len(workers)
             for _ in workers:
-                index, share_outcomes = results.get(timeout=longest_s + RESPONSE_TIMEOUT_S + CLIENT_START_S)
+                index, share_outcomes, cpu_s[index] = results.get(
+                    timeout=longest_s + RESPONSE_TIMEOUT_S + CLIENT_START_S)
                 for i, outcome in zip(shares[index], share_outcomes):
                     outcomes[i] = outcome
         except queue.Empty:
@@ -267,7 +284,7 @@ def _in_processes(url: str, talks: list[Talk], processes: int) -> tuple[list[Out
             worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
-    return outcomes, go
+    return outcomes, go, cpu_s
 
 
 def _client_process(index: int, url: str, talks: list[Talk], ready, release, results) -> None:
@@ -277,11 +294,25 @@ def _client_process(index: int, url: str, talks: list[Talk], ready, release, res
     ready.put(index)
     go = release.get()
     log = (lambda message: print(message, file=sys.stderr, flush=True)) if index == 0 else (lambda _: None)
-    outcomes, _ = conversations(url, talks, log, go=go)
+    outcomes, _, [cpu_s] = conversations(url, talks, log, go=go)
     for outcome in outcomes:
         if outcome.error is not None:
             outcome.error = RuntimeError(str(outcome.error))
-    results.put((index, outcomes))
+    results.put((index, outcomes, cpu_s))
+
+
+def add_client(row: dict, cpu_s: list[float], outcomes: list[Outcome], go: float) -> None:
+    """The load generator's own cost over a level: its processes, their CPU per frame (aged
+    ones too), and the busiest process's CPU over the level's wall time, first send to last
+    answer (its Python threads share one GIL: near one core, the answers it receives wait for
+    it, and that wait counts as latency)."""
+    served = [o for o in outcomes if o.result is not None]
+    wall = (max((o.result.started_at + o.result.wall_s for o in served), default=go)
+            - min((o.result.started_at for o in served), default=go))
+    frames = sum(len(o.result.latencies_ms) for o in served)
+    row["client"] = {"processes": len(cpu_s), "cpu_s": [round(c, 2) for c in cpu_s],
+                     "cpu_ms_per_frame": round(1000 * sum(cpu_s) / frames, 3) if frames else None,
+                     "busiest_core_share": round(max(cpu_s) / wall, 3) if wall > 0 else None}
 
 
 def load_row(n: int, outcomes: list[Outcome], go: float, pool: int | None = None) -> dict:
@@ -439,7 +470,7 @@ def add_collections(row: dict, before: dict, after: dict) -> None:
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
           persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
           trace_dir=None, gpu_memory=None, server_log: Path | None = None,
-          metrics_url: str | None = None, client_processes: int = 1) -> list[dict]:
+          metrics_url: str | None = None, client_processes: int | None = None) -> list[dict]:
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
     frames are followed through the stages and each stage's ticks counted, over the level and per
@@ -448,7 +479,8 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
     (add_gpu_telemetry), and the host's CPU busy and steal time from /proc/stat, GPU or not
     (add_host_cpu). `server_log`: the server's log, for the talker's starts (add_starts).
     `metrics_url`: the server's metrics endpoint, for the stubs' garbage collections over each
-    level (add_collections). `client_processes`: the processes the conversations are dealt to."""
+    level (add_collections). `client_processes`: the processes each level's conversations are
+    dealt to (None: client_processes_for's default); each one's CPU time is in the row (add_client)."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
@@ -457,8 +489,9 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
         before = _gc_counters_or_none(metrics_url, log)
         with gpu_telemetry.GpuTelemetry() as gpu, steal.CpuSampler() as host:
-            outcomes, go = conversations(url, talks, log, client_processes)
+            outcomes, go, cpu_s = conversations(url, talks, log, client_processes_for(n, aged, client_processes))
         row = load_row(n, outcomes, go, pool)
+        add_client(row, cpu_s, outcomes, go)
         if before is not None and (after := _gc_counters_or_none(metrics_url, log)) is not None:
             add_collections(row, before, after)
         add_gpu_telemetry(row, gpu.samples, go)

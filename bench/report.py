@@ -196,10 +196,7 @@ def markdown(result: dict) -> str:
              f"({m['cores']} cores)", "",
              f"Workload: `samples/user.wav` in 80 ms frames (1920 samples), voice {h['persona']['voice']}, "
              f"role prompt \"{h['persona']['text_prompt']}\", shared by every conversation (a seed each), so "
-             "conversations start from the server's persona cache. "
-             + (f"The conversations were dealt to {h['client_processes']} client processes."
-                if h.get("client_processes", 1) > 1 else "One client process sent and received every conversation."),
-             ""]
+             "conversations start from the server's persona cache.", ""]
     if "first_audio_new_persona_ms" in result:
         lines += [f"First audio of the persona's first conversation (its prefill, unless the server saw "
                   f"the persona before): {result['first_audio_new_persona_ms']} ms.", ""]
@@ -276,6 +273,7 @@ def _load_section(result: dict) -> list[str]:
     best = result["largest_held"]
     lines += ["", "Largest number of conversations held: " + (f"**{best}**." if best else "**none** of those tested.")
               + ("" if not aged else " (aged context)"), ""]
+    lines += _client_table(rows)
     lines += _starts_table(rows)
     lines += _windows_table(rows)
     lines += _windows_trace_table(rows)
@@ -304,6 +302,23 @@ def _load_section(result: dict) -> list[str]:
                 f"{c['p50_ms']} ({c['p99_ms']}), {c['rows_p50']:g}" if c else "-" for c in cells) + " |")
         lines.append("")
     return lines
+
+
+def _client_table(rows: list[dict]) -> list[str]:
+    """What the load generator's processes cost each level (loadgen.add_client)."""
+    measured = [r for r in rows if r.get("client")]
+    if not measured:
+        return []
+    lines = ["### The load generator", "",
+             "The client processes each level's conversations were dealt to, their CPU time per paced frame "
+             "(every thread: the send, the answer, the pacing, gRPC's own), and the busiest process's CPU over "
+             "the level's wall time. A process's Python threads share one GIL: near one core, the answers it "
+             "receives wait for it, and the wait counts as the server's latency.", "",
+             "| conversations | client processes | CPU a frame (ms) | busiest process (cores) |",
+             "| ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['conversations']} | {r['client']['processes']} | {_cell(r['client']['cpu_ms_per_frame'])} | "
+              f"{_cell(r['client']['busiest_core_share'])} |" for r in measured]
+    return lines + [""]
 
 
 def _starts_table(rows: list[dict]) -> list[str]:

@@ -77,14 +77,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     personas.add_argument("--persona-every", type=float, metavar="SECONDS",
                           help="real-time load: the last seat of each level holds one conversation after another, "
                                "SECONDS apart, each later one with a persona the server has not seen")
-    parser.add_argument("--client-processes", type=int, default=1, metavar="K",
+    parser.add_argument("--client-processes", type=int, metavar="K",
                         help="real-time load: deal each level's conversations to K client processes, so that the "
-                             "client's own GIL stays out of the latencies at many conversations (paced levels only)")
+                             "client's own GIL stays out of the latencies at many conversations (paced levels only; "
+                             "default: one per 16 conversations, one for an aged level)")
     parser.add_argument("--trace-dir", type=Path,
                         help="the server's PERSONAPLEX_TRACE_DIR (it runs on this machine; a server the bench "
                              "starts gets it set): each load level's frames are followed through the stages")
     args = parser.parse_args(argv)
-    if args.client_processes < 1 or (args.client_processes > 1 and args.aged_context):
+    if args.client_processes is not None and (args.client_processes < 1 or
+                                              (args.client_processes > 1 and args.aged_context)):
         parser.error(f"--client-processes must be at least 1, and 1 with --aged-context (got {args.client_processes})")
     if args.seconds <= 0 or args.aged_context < 0:
         parser.error(f"--seconds must be positive and --aged-context at least 0 (got {args.seconds:g}, "
@@ -144,7 +146,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
               "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt},
               "conversation_s": round(args.frames * stats.FRAME_MS / 1000, 2),
               "aged_context_frames": args.aged_context, "new_persona": args.new_persona,
-              "persona_every_s": args.persona_every, "client_processes": args.client_processes}
+              "persona_every_s": args.persona_every}
     result = {"header": header}
     stem = result_stem(header, args.name or machine["slug"])
     title = (f"{machine['cpu']}, {machine['cores']} cores, {', '.join(machine['gpus']) or 'no GPU'}; {header['date']}; "

@@ -310,6 +310,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     text = (tmp_path / saved.name.replace(".json", ".md")).read_text()
     assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
     assert "### The talker's starts" in text and "### What new personas' starts cost" in text
+    assert row["client"]["processes"] == 1 and "### The load generator" in text
     # the stubs' garbage collections over the level, from the metrics endpoint: young ones at least
     young = row["collections"]["talker"]["0"]
     assert young["count"] > 0 and young["total_ms"] > 0 and 0 <= young["long"] <= young["count"]
@@ -342,6 +343,11 @@ def test_a_level_dealt_to_client_processes_starts_them_together_and_keeps_each_c
     assert row["failed"] == 0 and row["frames"] == 12 and [len(ms) for ms in row["latencies_ms"]] == [6, 6]
     assert [c["start_s"] for c in row["per_conversation"]] == [0.0, 0.0]
     assert row["trace"]["frames_traced"] == 12
+    client = row["client"]
+    assert client["processes"] == 2 and len(client["cpu_s"]) == 2 and all(c > 0 for c in client["cpu_s"])
+    assert 0 < client["cpu_ms_per_frame"] and 0 < client["busiest_core_share"] < 2
+    assert loadgen.client_processes_for(64, 0, None) == 4 and loadgen.client_processes_for(17, 0, None) == 2
+    assert loadgen.client_processes_for(64, 100, None) == 1 and loadgen.client_processes_for(64, 0, 1) == 1
     with pytest.raises(ValueError, match="paced starts"):
         loadgen.conversations(server.grpc_url, loadgen.plan(2, 4, aged=2), lambda _: None, processes=2)
     from bench import run

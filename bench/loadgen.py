@@ -59,8 +59,9 @@ RESPONSE_TIMEOUT_S = 60.0  # a stall, not a conversation's length: a 5-minute co
 AGED_IN_FLIGHT = 8  # unanswered frames of an aged start's unpaced part
 WINDOW_S = 10.0  # the windows along a level's run (stats.windows)
 CLIENT_START_S = 60.0  # client processes that have not all started their interpreters by then fail the level
-# Conversations a client process takes by default: a paced frame costs the client about 1 ms of
-# CPU under its GIL on a 2-core Xeon (send, answer, pacing), so 16 keep one process near a fifth of a core.
+# Conversations a client process takes by default: a paced frame costs the client 1.7-2.3 ms of
+# CPU on a 2-core Xeon (send, answer, pacing: bench/results/2026-12-05-cpu2-intel-xeon-client-cost.md),
+# so 16 keep one process near a third of a core there.
 CONVERSATIONS_PER_CLIENT_PROCESS = 16
 
 

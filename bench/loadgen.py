@@ -17,6 +17,14 @@ the level's cached persona, every later one with a persona the server has not se
 so keeps its N conversations at once from start to end (the pool and the batch stay the same),
 the other N - 1 reach the full length, and each newcomer's prefill runs beside them.
 
+Each conversation speaks at its own phase within the 80 ms frame (`Talk.phase_s`, drawn
+uniformly and the same for every run of a level): callers who do not know each other send at
+random moments. Where the conversations started from the thread start order, their phases
+were whatever the client's threads made of them: spread over a frame and more in one process,
+bunched within a fraction of it in several, and the talker's ticks, and the level's verdict,
+followed (the H100 at 55 with fp8: 43 ticks a second of 16 frames and 3 late frames in four
+processes, 72 of 9.5 and 47 late in one).
+
 The client's own share (`client_processes`): one Python process sends and receives every
 conversation's frames, on a gRPC stream and a thread each. At 64 conversations that is 1,600
 messages a second under one GIL, and a receive that waits for it is counted as the server's
@@ -32,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import queue
+import random
 import sys
 import threading
 import time
@@ -69,13 +78,14 @@ CONVERSATIONS_PER_CLIENT_PROCESS = 16
 class Talk:
     """One conversation of a level: its persona (`new`: one the server has not seen), when its
     paced part starts (seconds after the level's start), its paced frames, and the frames it
-    streams unpaced first (an aged start)."""
+    streams unpaced first (an aged start), and its phase."""
 
     persona: Persona
     new: bool
     start_s: float
     frames: int
     aged: int = 0
+    phase_s: float = 0.0  # where in the 80 ms frame it speaks: its paced part starts this much after start_s
 
 
 def plan(n: int, frames: int, aged: int = 0, new_persona_last: bool = False,
@@ -87,7 +97,8 @@ def plan(n: int, frames: int, aged: int = 0, new_persona_last: bool = False,
     by `tag`. Newcomers start unaged: an unpaced burst beside the paced ones would be measured."""
     if n < 1 or frames < 1 or aged < 0:
         raise ValueError(f"a level needs a conversation and a frame: n {n}, frames {frames}, aged {aged}")
-    talks = [Talk(persona_for(i), False, 0.0, frames, aged) for i in range(n)]
+    phases = random.Random(n)  # a level's phases are the same in every run of it
+    talks = [Talk(persona_for(i), False, 0.0, frames, aged, phases.uniform(0, stats.FRAME_MS / 1000)) for i in range(n)]
     if n == 1:
         return talks
     if persona_every_s is not None:
@@ -100,10 +111,11 @@ def plan(n: int, frames: int, aged: int = 0, new_persona_last: bool = False,
         if arrivals < 2:
             raise ValueError(f"a new persona every {persona_every_s:g} s: none would arrive within "
                              f"{seconds:g} s conversations")
-        talks[-1:] = [Talk(new_persona(f"{tag}-{k}") if k else persona_for(n - 1), k > 0, k * persona_every_s, each)
-                      for k in range(arrivals)]
+        seat = talks[-1].phase_s
+        talks[-1:] = [Talk(new_persona(f"{tag}-{k}") if k else persona_for(n - 1), k > 0, k * persona_every_s, each,
+                           phase_s=seat) for k in range(arrivals)]
     elif new_persona_last:
-        talks[-1] = Talk(new_persona(tag), True, NEW_PERSONA_AFTER_S, frames)
+        talks[-1] = Talk(new_persona(tag), True, NEW_PERSONA_AFTER_S, frames, phase_s=talks[-1].phase_s)
     return talks
 
 
@@ -134,11 +146,13 @@ class StartLine:
 
 class AgedPacing:
     """The first `aged` frames as fast as the server answers them, then, once all are answered
-    and the start line released, one frame every 80 ms from the release on (the client's own
-    pacings, one after the other)."""
+    and the start line released, one frame every 80 ms from the release and `phase_s` on (the
+    client's own pacings, one after the other)."""
 
-    def __init__(self, answers: AnswerCollector, aged: int, arrive: Callable[[], None], start_line: StartLine):
+    def __init__(self, answers: AnswerCollector, aged: int, arrive: Callable[[], None], start_line: StartLine,
+                 phase_s: float = 0.0):
         self.answers, self.aged, self.arrive, self.start_line = answers, aged, arrive, start_line
+        self.phase_s = phase_s
         self.unpaced = WindowPacing(answers, AGED_IN_FLIGHT)
         self.paced: RealtimePacing | None = None
         self.aged_s: float | None = None
@@ -151,7 +165,7 @@ class AgedPacing:
             self.answers.wait_until_answered(self.aged)
             self.aged_s = time.perf_counter() - self.answers.first_send
             self.arrive()
-            self.start_line.wait()
+            time.sleep(max(0.0, self.start_line.wait() + self.phase_s - time.time()))
             self.paced = RealtimePacing(self.answers)
         self.paced.wait_for_turn(i - self.aged)
 
@@ -184,7 +198,7 @@ def _aged_conversation(frames, url: str, talk: Talk, arrive, start_line: StartLi
     sequence_id = new_sequence_id()
     answers = AnswerCollector(frames.shape[0], url, MODEL_NAME, RESPONSE_TIMEOUT_S, on_frame)
     with open_stream(url, MODEL_NAME, answers.callback, check_ready=False) as client:
-        pacing = AgedPacing(answers, talk.aged, arrive, start_line)
+        pacing = AgedPacing(answers, talk.aged, arrive, start_line, talk.phase_s)
         _send_frames(client, frames, talk.persona, MODEL_NAME, sequence_id, answers, pacing)
         answers.wait_until_answered(frames.shape[0])
     return answers.result(sequence_id), pacing.aged_s
@@ -230,7 +244,7 @@ def conversations(url: str, talks: list[Talk], log: Log, processes: int = 1,
             if talk.aged:
                 outcome.result, outcome.aged_s = _aged_conversation(audio, url, talk, arrive, line, on_frame)
             else:
-                time.sleep(max(0.0, line.wait() + talk.start_s - time.time()))
+                time.sleep(max(0.0, line.wait() + talk.start_s + talk.phase_s - time.time()))
                 outcome.result = stream_conversation(audio.reshape(-1), url=url, persona=talk.persona, realtime=True,
                                                      response_timeout_s=RESPONSE_TIMEOUT_S, check_ready=False,
                                                      on_frame=on_frame)
@@ -260,7 +274,7 @@ def _in_processes(url: str, talks: list[Talk], processes: int) -> tuple[list[Out
     workers = [context.Process(target=_client_process, args=(index, url, [talks[i] for i in share], ready, release,
                                                              results), daemon=True)
                for index, share in enumerate(shares)]
-    longest_s = max(t.start_s + t.frames * stats.FRAME_MS / 1000 for t in talks)
+    longest_s = max(t.start_s + t.phase_s + t.frames * stats.FRAME_MS / 1000 for t in talks)
     for worker in workers:
         worker.start()
     try:
@@ -339,6 +353,7 @@ def load_row(n: int, outcomes: list[Outcome], go: float, pool: int | None = None
            "frames_per_s": round(len(latencies) / (end - go), 2) if end > go else 0.0,  # paced frames
            "windows": stats.windows([s for o in served for s in o.measured_send_s(go)], latencies, WINDOW_S),
            "per_conversation": [{"persona": "new" if o.talk.new else "cached", "start_s": o.talk.start_s,
+                                 "phase_ms": round(o.talk.phase_s * 1000, 1),
                                  "seconds": round(o.talk.frames * stats.FRAME_MS / 1000, 2),
                                  "aged_frames": o.talk.aged,
                                  "aged_s": None if o.aged_s is None else round(o.aged_s, 2),

@@ -42,12 +42,12 @@ ORDERS = ("join order", "oldest first")
 
 
 def by_start_quarter(level: dict, min_frames: int = 1000) -> list[dict]:
-    """A load level's conversations of at least `min_frames` frames, in the order they started,
-    cut in quarters: each quarter's mean of its conversations' p50 and p99, and its share of
+    """A load level's conversations of at least `min_frames` frames, in the order they started
+    (their phase within the frame too, where the result has it), cut in quarters: each quarter's mean of its conversations' p50 and p99, and its share of
     frames over 80 ms."""
-    talks = sorted(((c["start_s"], np.asarray(lat, float)) for c, lat in zip(level["per_conversation"],
-                                                                            level["latencies_ms"])
-                    if len(lat) >= min_frames), key=lambda talk: talk[0])
+    talks = sorted(((c["start_s"] + c.get("phase_ms", 0) / 1000, np.asarray(lat, float))
+                    for c, lat in zip(level["per_conversation"], level["latencies_ms"]) if len(lat) >= min_frames),
+                   key=lambda talk: talk[0])
     quarters = np.array_split(np.arange(len(talks)), 4)
     rows = []
     for i, members in enumerate(quarters, 1):

@@ -133,6 +133,13 @@ def test_plan_ages_every_conversation_and_turns_the_last_seat_over_to_new_person
     assert [t.persona.seed for t in talks[:3]] == [0, 1, 2]
     last = loadgen.plan(2, 50, new_persona_last=True, tag="x")[-1]
     assert last.new and last.start_s == loadgen.NEW_PERSONA_AFTER_S and "x" in last.persona.text_prompt
+    # each conversation at a phase of its own within the frame, the same in every run of the level;
+    # a seat's later conversations at the seat's
+    phases = [t.phase_s for t in talks]
+    assert len(set(phases[:3])) == 3 and all(0 <= ph < 0.08 for ph in phases) and phases[2:] == [phases[2]] * 3
+    assert phases == [t.phase_s for t in loadgen.plan(3, 375, aged=100, persona_every_s=10.0, tag="u")]
+    spread = sorted(t.phase_s for t in loadgen.plan(64, 10))
+    assert spread[-1] - spread[0] > 0.07  # 64 callers cover the frame
 
 
 def test_new_personas_are_new_to_the_servers_cache_under_the_generated_tokenizer(tiny_checkpoint):
@@ -342,6 +349,7 @@ def test_a_level_dealt_to_client_processes_starts_them_together_and_keeps_each_c
                           client_processes=2)
     assert row["failed"] == 0 and row["frames"] == 12 and [len(ms) for ms in row["latencies_ms"]] == [6, 6]
     assert [c["start_s"] for c in row["per_conversation"]] == [0.0, 0.0]
+    assert [c["phase_ms"] for c in row["per_conversation"]] == [round(t.phase_s * 1000, 1) for t in loadgen.plan(2, 6)]
     assert row["trace"]["frames_traced"] == 12
     client = row["client"]
     assert client["processes"] == 2 and len(client["cpu_s"]) == 2 and all(c > 0 for c in client["cpu_s"])

@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)  # loaders.CPU_TORCH_THREADS, as serving.use_device_threads sets it
+    torch.set_num_threads(1)  # loaders.CPU_TORCH_THREADS, as serving.stage_builds.use_device_threads sets it
     clocks = {label: TickClock(package, args.checkpoint) for label, package in trees.packages(args.base).items()}
     speech = workload.frames(99)
     load = os.getloadavg()[0]

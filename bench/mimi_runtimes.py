@@ -7,7 +7,7 @@ PyTorch thread and at every core (speed-ups are against the faster of the two); 
 embedded default's whole frame for one conversation: talker tick (temporal transformer +
 depformer; on a CPU the Mimi encode follows the answer, `Talker(encode_after)`) + code2wav
 tick, against the 80 ms a frame lasts. The runtimes and
-the frame run with the threads a stage's process uses (`serving.use_device_threads`).
+the frame run with the threads a stage's process uses (`serving.stage_builds.use_device_threads`).
 
     python -m bench.mimi_runtimes [--checkpoint DIR] [--batch 1 8] [--ticks 20] [--out bench/results]
 
@@ -36,7 +36,7 @@ from personaplex_triton.core.paths import REPO_ROOT  # noqa: E402
 from personaplex_triton.mimi.artefacts import onnx_path  # noqa: E402
 from personaplex_triton.mimi.runtime import RUNTIMES, RuntimeUnavailable, open_step  # noqa: E402
 from personaplex_triton.mimi.stream import MimiSlots  # noqa: E402
-from personaplex_triton.serving.serving import use_device_threads  # noqa: E402
+from personaplex_triton.serving.stage_builds import use_device_threads  # noqa: E402
 
 from . import report as run_report  # noqa: E402
 

@@ -103,7 +103,7 @@ def run(checkpoint: str, device: str, max_conversations: str) -> tuple[list[dict
             for turn in (1, 2):
                 start = timed_start(service.talker, 0, TalkerSetup(persona, SamplingParams()), torch.device(device))
                 starts.append({"words": words, "voice": voice, "turn": turn, **start})
-        return starts, service.slots_why
+        return starts, service.info.slots_why
     finally:
         service.close()
 

@@ -131,6 +131,38 @@ def test_send_threads_answer_every_frame_in_order(tiny_checkpoint, solo, user_au
     assert a.text_pieces == solo.text_pieces
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
 
+def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tiny_checkpoint, solo, user_audio,
+                                                                               tmp_path):
+    """`stage_process` true for both stages: each stub drives its stage in a child Python
+    process (engine/stage_process.py). Two conversations at once get every frame, in order,
+    the first exactly what the default server gives it; each stub has its stage's process as a
+    child, and the server's graceful shutdown leaves none of them behind."""
+    import shutil
+
+    from personaplex_triton.core.paths import MODEL_REPOSITORY
+    from personaplex_triton.serving import model_configs
+    from personaplex_triton.serving.launch import TritonServer, child_processes
+
+    repository = tmp_path / "model_repository"
+    shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+    model_configs.main(["--out", str(repository), "--set", "talker.stage_process=true",
+                        "--set", "code2wav.stage_process=true"])
+    with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)},
+                      log_path=tmp_path / "tritonserver.log") as server:
+        a, b, other_audio = two_conversations_at_once(server.grpc_url, user_audio)
+        workers = {model: [pid for stub in server.stub_pids(model) for pid, argv in child_processes(stub).items()
+                           if "personaplex_triton.engine.stage_process" in " ".join(argv)]
+                   for model in ("talker", "code2wav")}
+    assert a.frames_received == FIVE_SECONDS and b.frames_received == len(audio.split_frames(other_audio))
+    assert a.text_pieces == solo.text_pieces
+    np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
+    assert all(len(pids) == 1 for pids in workers.values()), workers
+    for pid in workers["talker"] + workers["code2wav"]:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    log = server.log_path.read_text()
+    assert "talker: the stage runs in process" in log and "code2wav: the stage runs in process" in log
+
+
 def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path):
     """model_repository_one_stub (both stages in one stub, `speech`, behind the same `ensemble`):
     two conversations at once get every frame, in order, the first exactly what the two-stub

@@ -1,10 +1,11 @@
 """Stage 1 on Triton: decoupled, one frame of agent codes in, 1920 PCM samples out."""
 
 from personaplex_triton.core import loaders, seam
-from personaplex_triton.serving.serving import Code2WavService, pick_device, slots_log_line
+from personaplex_triton.serving.serving import Code2WavService, load_log_lines, pick_device
 from personaplex_triton.serving.shutdown import mark_finalized, register
 from personaplex_triton.serving.triton_adapter import (
-    TritonMetrics, instance_gpu, loaded, log_info, model_parameters, request_arrays, responder, route_library_logs)
+    TritonMetrics, instance_gpu, loaded, log_info, model_parameters, request_arrays, responder, route_library_logs,
+    stage_process)
 
 INPUTS = tuple(spec.name for spec in seam.TENSORS)
 
@@ -16,9 +17,10 @@ class TritonPythonModel:
         self.service = Code2WavService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
             pick_device(params.get("device", "auto"), instance_gpu(args)), params["mimi_runtime"],
-            send_threads=int(params.get("send_threads", "1")), metrics=TritonMetrics(args["model_name"]))
-        log_info(f"{args['model_name']}: {self.service.mimi.describe()}")
-        log_info(slots_log_line(args["model_name"], self.service.slots, self.service.slots_why))
+            send_threads=int(params.get("send_threads", "1")), stage_process=stage_process(params),
+            metrics=TritonMetrics(args["model_name"]))
+        for line in load_log_lines(args["model_name"], self.service.info):
+            log_info(line)
         self.instance = args["model_instance_name"]
         register(self.instance, drains=False)  # the talker ends its sequences at shutdown
         loaded(self.instance)

@@ -3,9 +3,9 @@
 import numpy as np
 
 from personaplex_triton.core import contract, loaders, seam
-from personaplex_triton.serving.serving import TalkerService, pick_device, seam_frame, slots_log_line, warmed_log_line
+from personaplex_triton.serving.serving import TalkerService, load_log_lines, pick_device, seam_frame
 from personaplex_triton.serving.triton_adapter import (
-    ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
+    ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs, stage_process)
 
 INPUTS = tuple(spec.name for spec in contract.INPUTS)
 DECODER = "code2wav"  # the next stage, whose sequences this one ends at shutdown
@@ -21,10 +21,10 @@ class TritonPythonModel(ConversationModel):
             int(params["persona_cache_size"]), params["mimi_runtime"],
             params.get("warm_personas", ""), params.get("dtype", "auto"),
             params.get("kv_dtype", "auto"), float(params.get("min_tick_interval_ms", "0")),
-            int(params.get("send_threads", "1")), metrics=TritonMetrics(args["model_name"]))
-        log_info(f"{args['model_name']}: {service.mimi.describe()}")
-        log_info(slots_log_line(args["model_name"], service.slots, service.slots_why))
-        log_info(warmed_log_line(args["model_name"], service.warmed))
+            int(params.get("send_threads", "1")), stage_process(params),
+            metrics=TritonMetrics(args["model_name"]))
+        for line in load_log_lines(args["model_name"], service.info):
+            log_info(line)
         self.serve_conversations(args, service, INPUTS)
 
     def end_requests(self, key):

@@ -4,10 +4,10 @@ frame (the ensemble's contract), a frame crossing into and out of the stub once.
 import numpy as np
 
 from personaplex_triton.core import contract, loaders
-from personaplex_triton.serving.serving import pick_device, slots_log_line, warmed_log_line
+from personaplex_triton.serving.serving import load_log_lines, pick_device
 from personaplex_triton.serving.speech import SpeechService
 from personaplex_triton.serving.triton_adapter import (
-    ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
+    ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs, stage_process)
 
 INPUTS = tuple(spec.name for spec in contract.INPUTS)
 
@@ -25,11 +25,10 @@ class TritonPythonModel(ConversationModel):
             idle_timeout_s=float(params["idle_timeout_s"]), persona_cache_size=int(params["persona_cache_size"]),
             warm_personas=params.get("warm_personas", ""), dtype=params.get("dtype", "auto"),
             kv_dtype=params.get("kv_dtype", "auto"),
-            min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")))
+            min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")), stage_process=stage_process(params))
         for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
-            log_info(f"{stage}: {stage_service.mimi.describe()}")
-            log_info(slots_log_line(stage, stage_service.slots, stage_service.slots_why))
-        log_info(warmed_log_line("talker", service.talker.warmed))
+            for line in load_log_lines(stage, stage_service.info):
+                log_info(line)
         self.serve_conversations(args, service, INPUTS)
 
     def end_requests(self, key):

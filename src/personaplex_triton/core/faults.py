@@ -24,6 +24,9 @@ class SlotFault(RuntimeError):
         super().__init__(message)
         self.slot = slot
 
+    def __reduce__(self):  # crosses a stage's pipe (engine/stage_process.py) whole
+        return type(self), (self.slot, str(self))
+
 
 class InjectedFault(RuntimeError):
     pass

@@ -24,7 +24,8 @@ from .answers import finish
 from .conversations import Conversation, ConversationTable
 from .outbox import Outbox
 from .scheduler import Scheduler
-from .starts import StartJob
+from .stage_process import StageProcessDied
+from .starts import StartJob, begin_starts
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,8 @@ class EngineLoop(threading.Thread):
     def _begin(self, starting: list[Conversation]) -> None:
         """Begin the start of the conversations admitted since the last pass, together (one
         reset of the model for all): in pieces where the stage has `begin_starts`, else at once."""
-        setups = {conv.slot: conv.setup for conv in starting}
-        begin = getattr(self.stage, "begin_starts", None)
         # Beginning does no work (a job's pieces run in `_advance_starts`, which takes their failures).
-        job = begin(setups) if begin is not None else StartJob.at_once(self.stage.start_many, setups)
+        job = begin_starts(self.stage, {conv.slot: conv.setup for conv in starting})
         self._starts.append(_Start(starting, job, time.perf_counter()))
 
     def _advance_starts(self) -> None:
@@ -160,6 +159,8 @@ class EngineLoop(threading.Thread):
         began = time.perf_counter()
         try:
             done, failed = start.job.advance(), start.job.failed
+        except StageProcessDied:  # the engine stops (run)
+            raise
         except Exception as exc:  # a bad persona must not take the engine down
             done, failed = True, {conv.slot: exc for conv in start.conversations}
         start.pieces += 1

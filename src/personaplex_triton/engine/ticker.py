@@ -22,6 +22,7 @@ from ..core.metrics import Metrics
 from .answers import Answer
 from .conversations import Conversation
 from .outbox import Outbox
+from .stage_process import StageProcessDied
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,11 @@ class Ticker:
                     self.faults.before_tick({c.key: c.slot for c in ticked})
                 began, cpu = time.time(), time.thread_time()
                 outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
-                self.tick_span = (began, time.time(), time.thread_time() - cpu)
+                # a stage in a process of its own (stage_process.py) ticks on that process's CPU
+                reported = getattr(self.stage, "last_tick_cpu_s", None)
+                self.tick_span = (began, time.time(), time.thread_time() - cpu if reported is None else reported)
+            except StageProcessDied:  # nothing to retry: the engine stops (engine_loop.py)
+                raise
             except SlotFault as exc:
                 culprit = next((c for c in ticked if c.slot == exc.slot), None)
                 if culprit is not None:

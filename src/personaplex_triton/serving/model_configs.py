@@ -63,6 +63,9 @@ DEVICE = Parameter("device", "auto", "auto: the instance's GPU where there is on
 SEND_THREADS = Parameter("send_threads", "1", "Threads that send a tick's answers, each its own conversations' in "
                                              "order: a send is a round trip to tritonserver, and several can be "
                                              "in flight at once.")
+STAGE_PROCESS = Parameter("stage_process", "false", "true: the stage (its model and its ticks) runs in a process "
+                                                  "of its own beside the stub, so that its ticks never wait for the "
+                                                  "stub's GIL (its request and send threads).")
 
 PARAMETERS = {
     "talker": (
@@ -86,12 +89,12 @@ PARAMETERS = {
         Parameter("min_tick_interval_ms", "0", "The least time from one tick's start to the next's: fewer, larger "
                                                "ticks (less GPU work for the same frames, frames wait longer for "
                                                "theirs); 0: a tick starts as soon as a frame waits."),
-        SEND_THREADS,
+        SEND_THREADS, STAGE_PROCESS,
     ),
     "code2wav": (
         Parameter("max_conversations", "auto", "More than the talker's: a conversation that ends without FINAL "
                                                "holds its slot until replaced. auto: 8 on a CPU, 192 on a GPU."),
-        CHECKPOINT, DEVICE, MIMI_RUNTIME, SEND_THREADS,
+        CHECKPOINT, DEVICE, MIMI_RUNTIME, SEND_THREADS, STAGE_PROCESS,
     ),
 }
 # `speech` takes the talker's parameters (its send threads send the audio) and code2wav's pool.

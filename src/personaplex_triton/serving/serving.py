@@ -13,7 +13,6 @@ import datetime
 import logging
 import re
 import secrets
-import sys
 from typing import Callable
 
 import numpy as np
@@ -23,8 +22,10 @@ from ..core.faults import FaultPlan
 from ..core.metrics import Metrics
 from ..engine.engine import ConversationError, SlotEngine
 from ..lm.sampling import SamplingParams
-from ..stages.code2wav import Code2Wav, CodesFrame, tick_group
+from ..stages.code2wav import CodesFrame, tick_group
 from ..stages.persona import PromptTooLong
+from ..stages.talker import text_piece
+from .stage_builds import StageInfo, build_code2wav, build_talker, open_stage, use_device_threads
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +56,6 @@ def pick_device(configured: str = "auto", gpu_index: int | None = None) -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return "cuda" if gpu_index is None else f"cuda:{gpu_index}"
-
-
-def use_device_threads(device: str) -> None:
-    """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
-    On a GPU, how long a thread that wants the GIL waits for another to give it up
-    (loaders.GPU_GIL_SWITCH_S: why)."""
-    import torch
-
-    if device.startswith("cuda"):
-        sys.setswitchinterval(loaders.GPU_GIL_SWITCH_S)
-    else:
-        torch.set_num_threads(loaders.CPU_TORCH_THREADS)
 
 
 def audio_frames(audio: np.ndarray | None) -> np.ndarray:
@@ -167,67 +156,44 @@ def warmed_log_line(model: str, voices: list[str]) -> str:
     return f"{model}: personas prefilled at load: {', '.join(voices) or 'none'}"
 
 
+def load_log_lines(model: str, info: StageInfo) -> list[str]:
+    """What a stage's model logs once loaded: its Mimi runtime, its pool and, for the talker,
+    the personas prefilled (the benchmarks read them back from the server's log)."""
+    lines = [f"{model}: {info.mimi}", slots_log_line(model, info.slots, info.slots_why)]
+    return lines + ([] if info.warmed is None else [warmed_log_line(model, info.warmed)])
+
+
 def warmed_in_log(text: str) -> list[str]:
     """The voices prefilled at load (each with an empty role prompt), from a tritonserver log."""
     found = re.search(r': personas prefilled at load: ([^"\n]*)', text)  # Triton quotes a model's log line
     return [] if found is None or found.group(1).strip() == "none" else found.group(1).strip().split(", ")
 
 
-def pool_size(configured: int | str, device: str, cpu_default: int, on_gpu) -> tuple[int, str]:
-    """A stage's conversation slots and why: the configured number; for "auto", `cpu_default`
-    on a CPU and what `on_gpu()` returns ((slots, why)) on a GPU."""
-    if str(configured) not in ("", "auto"):
-        return int(configured), "configured"
-    if device.startswith("cuda"):
-        return on_gpu()
-    return cpu_default, "auto: the default on a CPU"
-
-
 class TalkerService:
-    """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame."""
+    """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame.
+    `stage_process`: the talker (its model and its ticks) runs in a process of its own
+    (engine/stage_process.py), so that its ticks never wait for this process's GIL."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
                  warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
-                 min_tick_interval_ms: float = 0.0, send_threads: int = 1, metrics: Metrics | None = None):
-        import torch
-
-        from ..lm import kv_cache
-        from ..mimi.runtime import open_step
+                 min_tick_interval_ms: float = 0.0, send_threads: int = 1, stage_process: bool = False,
+                 metrics: Metrics | None = None):
         from ..stages.persona import PersonaLibrary
-        from ..stages.talker import Talker, conversations_that_fit
 
         self.metrics = metrics or Metrics()
         use_device_threads(device)
         files = loaders.resolve_checkpoint(checkpoint)
-        lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
-        kv = kv_cache.resolve(kv_dtype, device, next(lm.parameters()).dtype)
-        self.mimi = open_step("encoder", files, mimi_runtime, device, threads=loaders.CPU_ENCODER_THREADS)
-        tokenizer = loaders.get_tokenizer(files)
-        self.slots, self.slots_why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
-                                               lambda: conversations_that_fit(lm, self.mimi, kv))
-        self.talker = Talker(lm, self.mimi, tokenizer, self.slots, persona_cache_size, kv_dtype=kv)
-        self.personas = PersonaLibrary(files, tokenizer)
-        self.warm(warm_personas)
-        self.talker.persona_cache.on_lookup = self.metrics.persona_cache_lookup  # after warming: clients' only
+        self.tokenizer = loaders.get_tokenizer(files)
+        self.personas = PersonaLibrary(files, self.tokenizer)
+        self.talker, self.info = open_stage("talker", build_talker, dict(
+            checkpoint=checkpoint, max_conversations=max_conversations, device=device,
+            persona_cache_size=persona_cache_size, mimi_runtime=mimi_runtime, warm_personas=warm_personas,
+            dtype=dtype, kv_dtype=kv_dtype), stage_process, self.metrics)
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
                                  admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
                                  min_tick_interval_s=min_tick_interval_ms / 1000, send_threads=send_threads)
-
-    def warm(self, voices: str) -> list[str]:
-        """Prefill personas into the persona cache before serving, so their first conversation
-        starts at once: `voices` is "all" (every voice of the checkpoint) or comma-separated
-        names, each with an empty role prompt. Returns the voices warmed."""
-        from ..stages.talker import TalkerSetup
-
-        names = self.personas.files.voice_names() if voices.strip() == "all" else \
-            [name.strip() for name in voices.split(",") if name.strip()]
-        self.warmed = names[:self.talker.persona_cache.capacity]
-        for name in self.warmed:
-            self.talker.start(0, TalkerSetup(self.personas.persona(name, ""), SamplingParams()))
-            self.talker.stop(0)
-        return self.warmed
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:
@@ -249,7 +215,7 @@ class TalkerService:
             return
         def on_output(step, index, last):
             send(seam_frame(conversation, index, end and last, step.codes.astype(np.int64),
-                            self.talker.text_piece(step.text_token), step.tick), last)
+                            text_piece(self.tokenizer, step.text_token), step.tick), last)
 
         def finish_with_close(error):
             """An end request without frames: code2wav hears of the end through a close marker."""
@@ -302,23 +268,17 @@ def seam_frame(conversation: int, index: int, final: bool, codes: np.ndarray, te
 
 
 class Code2WavService:
-    """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out."""
+    """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out.
+    `stage_process`: as the talker's (TalkerService)."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, send_threads: int = 1,
-                 metrics: Metrics | None = None):
-        from ..mimi.runtime import open_step
-
+                 stage_process: bool = False, metrics: Metrics | None = None):
         self.metrics = metrics or Metrics()
         use_device_threads(device)
-        files = loaders.resolve_checkpoint(checkpoint)
-        self.mimi = open_step("decoder", files, mimi_runtime, device)
-        self.slots, self.slots_why = pool_size(
-            max_conversations, device, loaders.CPU_DECODER_SLOTS,
-            lambda: (loaders.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
-        self.decoder = Code2Wav(self.mimi, self.slots)
-        if device.startswith("cuda"):
-            self.decoder.take_largest_tick()  # planned with the talker's pool (loaders.GPU_DECODER_RESERVED_BYTES)
+        self.decoder, self.info = open_stage("code2wav", build_code2wav, dict(
+            checkpoint=checkpoint, max_conversations=max_conversations, device=device, mimi_runtime=mimi_runtime),
+            stage_process, self.metrics)
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
@@ -365,4 +325,5 @@ class Code2WavService:
 
     def close(self) -> None:
         self.engine.shutdown()
+        getattr(self.decoder, "close", lambda: None)()
         self.metrics.close()

@@ -76,14 +76,16 @@ class SpeechService:
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  decoder_conversations: int | str = "auto", mimi_runtime: str = "auto", send_threads: int = 1,
-                 idle_timeout_s: float = 60.0, talker_metrics: Metrics | None = None,
+                 idle_timeout_s: float = 60.0, stage_process: bool = False, talker_metrics: Metrics | None = None,
                  code2wav_metrics: Metrics | None = None, **talker_options):
         # code2wav first: on a GPU it takes its largest tick's memory before the talker sizes its pool.
         self.code2wav = Code2WavService(checkpoint, decoder_conversations, device, mimi_runtime, idle_timeout_s,
-                                        send_threads=send_threads, metrics=code2wav_metrics)
+                                        send_threads=send_threads, stage_process=stage_process,
+                                        metrics=code2wav_metrics)
         # The talker's answers go to code2wav in-process: one send thread keeps them in order cheaply.
         self.talker = TalkerService(checkpoint, max_conversations, device, idle_timeout_s, mimi_runtime=mimi_runtime,
-                                    send_threads=1, metrics=talker_metrics, **talker_options)
+                                    send_threads=1, stage_process=stage_process, metrics=talker_metrics,
+                                    **talker_options)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:

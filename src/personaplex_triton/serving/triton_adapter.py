@@ -26,6 +26,14 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
+def stage_process(params: dict[str, str]) -> bool:
+    """The `stage_process` parameter: whether the stage runs in a process of its own."""
+    value = params.get("stage_process", "false").strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f'parameter stage_process must be "true" or "false", got {value!r}')
+    return value == "true"
+
+
 def instance_gpu(args: dict) -> int | None:
     """The GPU of a KIND_GPU instance (one per GPU with instance_group `gpus`), else None."""
     return int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else None

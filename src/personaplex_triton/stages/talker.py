@@ -153,7 +153,6 @@ class Talker:
         self.graphs = capture_graphs(self.generator)
         self.mimi = MimiSlots(encoder, num_slots)
         self.persona_cache = PersonaCache(persona_cache_size)
-        self._vocab = tokenizer.get_piece_size()
         cuda = self.device.type == "cuda"
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="talker-encode", initializer=_yield_cpu) \
             if encode_after and not cuda else None
@@ -289,10 +288,7 @@ class Talker:
             embeddings, restores))
 
     def text_piece(self, token: int) -> str:
-        """The text of a sampled token; padding and other special ids give ''."""
-        if token <= loaders.TEXT_PROMPT_PAD or token >= self._vocab:
-            return ""
-        return self.tokenizer.id_to_piece(token).replace("\u2581", " ")
+        return text_piece(self.tokenizer, token)
 
     def slot_table(self, slots: list[int]) -> np.ndarray:
         """A step's slot table: the carried `slots` packed first, then, up to the batch bucket
@@ -370,6 +366,13 @@ def _yield_cpu() -> None:
     answered, and the next tick once its frame comes, are each a frame's latency: they get the
     cores first and the encode what they leave."""
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def text_piece(tokenizer, token: int) -> str:
+    """The text of a sampled token; padding and other special ids give ''."""
+    if token <= loaders.TEXT_PROMPT_PAD or token >= tokenizer.get_piece_size():
+        return ""
+    return tokenizer.id_to_piece(token).replace("\u2581", " ")
 
 
 def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:

@@ -1,0 +1,244 @@
+"""A stage in a process of its own: its ticks and starts take that process's GIL, not the stub's.
+
+In one Triton stub the tick's host work (building the step, launching its graph, reading its
+result) shares one GIL with the stub's request and send threads. At 64 conversations on the
+H200 the tick spent 3.9 ms of its 17.4 (p50) off the CPU waiting for the GIL, and with 4 send
+threads 8.4 ms (docs/gpu-serving.md). As vLLM runs its engine core apart from its API server,
+`StageProcess` runs the stage (the model, its state, its CUDA context) in a child Python
+process, and is the engine's stage (engine.Stage) in the stub: the scheduler, the conversations
+and the sends stay in the stub, and a tick is one round trip through a pipe (the frames in,
+the answers out, pickled). The stub then never touches the GPU.
+
+Calls come from the engine's loop (tick, starts) and, for `stop`, from any of its threads under
+the engine's lock: `stop` is sent without waiting for an answer, and the child runs every
+message in the order sent, so a stop is done before the next start of that slot. What the
+stage reports on the side (`emit(name, *args)`, e.g. a persona cache lookup) comes back with
+the next answer and goes to `on_event`. If the child dies, every later call raises
+`StageProcessDied`, which stops the engine: its requests get the error and its health fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any, Callable
+
+from .starts import begin_starts
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 30.0  # the child closes its stage (its graphs, its encoder thread) within this
+
+
+class StageProcessDied(RuntimeError):
+    """The stage's process is gone: nothing it held can be used again."""
+
+
+def python_executable() -> str:
+    """The Python to run the child with. In a Triton stub `sys.executable` is the stub binary;
+    the launcher puts the server's Python first on PATH as `python3` (launch.py)."""
+    if Path(sys.executable or "").name.startswith("python"):
+        return sys.executable
+    found = shutil.which("python3")
+    if found is None:
+        raise RuntimeError("no python3 on PATH to run a stage's process")
+    return found
+
+
+class RemoteStartJob:
+    """A start under way in the child (engine/starts.StartJob's interface)."""
+
+    def __init__(self, process: "StageProcess", job: int):
+        self._process = process
+        self._job = job
+        self.failed: dict[int, Exception] = {}
+
+    def advance(self) -> bool:
+        done, failed = self._process._call("advance", self._job)
+        self.failed.update(failed)
+        return done
+
+
+class StageProcess:
+    def __init__(self, name: str, build: Callable[..., tuple[Any, Any]], options: dict,
+                 on_event: Callable[..., None] = lambda name, *args: None):
+        """Start a child that runs `build(**options, emit=...)` -> (stage, info), a module-level
+        function (pickled by reference); returns once the stage is built (its model loaded,
+        its graphs captured). `info` is kept as `self.info`; `on_event(name, *args)` gets what
+        the stage emits."""
+        self.name = name
+        self._on_event = on_event
+        self._send_lock = threading.Lock()
+        self._died: str | None = None
+        self.last_tick_cpu_s = 0.0  # the child's CPU time in the last tick (the tick's trace)
+        self._conn, child = Pipe(duplex=True)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self._process = subprocess.Popen(
+            [python_executable(), "-c", "from personaplex_triton.engine.stage_process import main; main()",
+             name, str(child.fileno())], pass_fds=[child.fileno()], env=env)
+        child.close()
+        self._post(("build", build, options))
+        self.num_slots, self.info = self._answer()
+        log.info("%s: the stage runs in process %d", name, self._process.pid)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    # -- engine.Stage ------------------------------------------------------------------------
+    def tick(self, items: dict[int, Any]) -> dict[int, Any]:
+        outputs, self.last_tick_cpu_s = self._call("tick", items)
+        return outputs
+
+    def start_many(self, setups: dict[int, Any]) -> dict[int, Exception]:
+        return self._call("start_many", setups)
+
+    def begin_starts(self, setups: dict[int, Any]) -> RemoteStartJob:
+        return RemoteStartJob(self, self._call("begin_starts", setups))
+
+    def stop(self, slot: int) -> None:
+        if self._died is None:  # a dead child holds nothing to stop
+            self._post(("stop", slot))
+
+    def close(self) -> None:
+        if self._died is None:
+            try:
+                self._call("close")
+            except StageProcessDied:
+                pass
+        try:
+            self._process.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._conn.close()
+
+    # -- the pipe ----------------------------------------------------------------------------
+    def _call(self, op: str, *args):
+        self._post((op, *args))
+        return self._answer()
+
+    def _post(self, message: tuple) -> None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._raise_if_died()
+            try:
+                self._conn.send_bytes(payload)
+            except OSError as exc:
+                self._die(exc)
+
+    def _answer(self):
+        """The child's answer to the last call; only the engine's loop waits for answers."""
+        self._raise_if_died()
+        try:
+            ok, value, events = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            self._die(exc)
+        for event in events:
+            self._on_event(*event)
+        if not ok:
+            raise value
+        return value
+
+    def _die(self, exc: Exception):
+        try:
+            status = self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            status = None
+        self._died = f"the {self.name} stage's process {self._process.pid} is gone (exit status {status}: {exc!r})"
+        log.error("%s", self._died)
+        raise StageProcessDied(self._died)
+
+    def _raise_if_died(self) -> None:
+        if self._died is not None:
+            raise StageProcessDied(self._died)
+
+
+# -- the child ---------------------------------------------------------------------------------
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def serve(conn: Connection) -> None:
+    """Build the stage, then run each message in order until `close` or the parent is gone."""
+    events: list[tuple] = []
+    jobs: dict[int, Any] = {}
+    job_ids = itertools.count()
+    stage = None
+
+    def answer(ok: bool, value) -> None:
+        conn.send_bytes(pickle.dumps((ok, value, events[:]), protocol=pickle.HIGHEST_PROTOCOL))
+        events.clear()
+
+    while True:
+        try:
+            op, *args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the stub is gone
+            break
+        if op == "stop":
+            stage.stop(*args)
+            continue
+        try:
+            if op == "build":
+                build, options = args
+                stage, info = build(**options, emit=lambda *event: events.append(event))
+                value = (stage.num_slots, info)
+            elif op == "tick":
+                cpu = time.thread_time()
+                outputs = stage.tick(*args)
+                value = (outputs, time.thread_time() - cpu)
+            elif op == "start_many":
+                value = stage.start_many(*args)
+            elif op == "begin_starts":
+                value = next(job_ids)
+                jobs[value] = begin_starts(stage, *args)
+            elif op == "advance":
+                job = jobs[args[0]]
+                done = job.advance()
+                if done:
+                    del jobs[args[0]]
+                value = (done, {slot: _portable(exc) for slot, exc in job.failed.items()})
+            elif op == "close":
+                getattr(stage, "close", lambda: None)()
+                answer(True, None)
+                break
+            else:
+                raise ValueError(f"unknown stage call {op!r}")
+        except Exception as exc:
+            _free_cuda_cache(exc)
+            answer(False, _portable(exc))
+            if op == "build":
+                break
+            continue
+        if op == "start_many":
+            value = {slot: _portable(exc) for slot, exc in value.items()}
+        answer(True, value)
+
+
+def _free_cuda_cache(exc: Exception) -> None:
+    """After a tick that ran out of GPU memory, what this process caches, for the retry."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    name, fd = sys.argv[1], int(sys.argv[2])
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=f"{name} stage %(levelname)s %(name)s: %(message)s")
+    serve(Connection(fd))

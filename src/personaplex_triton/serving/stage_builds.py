@@ -1,0 +1,112 @@
+"""How each stage is built from its model's parameters: in the stub, or in a process of its own
+(engine/stage_process.py), which calls these functions by name.
+
+A build returns the stage and a `StageInfo`, what the model logs at load. What the stage
+reports while it serves goes through `emit(name, *args)`, a call of the service's metrics of
+that name: directly in the stub, through the pipe from a stage's process.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from ..core import loaders
+
+Emit = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    slots: int          # conversation slots
+    slots_why: str      # how that number was chosen
+    mimi: str           # the Mimi runtime, described (runtime.StepRunner.describe)
+    warmed: list[str] | None = None  # the talker's personas prefilled at load
+
+
+def use_device_threads(device: str) -> None:
+    """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
+    On a GPU, how long a thread that wants the GIL waits for another to give it up
+    (loaders.GPU_GIL_SWITCH_S: why)."""
+    import torch
+
+    if device.startswith("cuda"):
+        sys.setswitchinterval(loaders.GPU_GIL_SWITCH_S)
+    else:
+        torch.set_num_threads(loaders.CPU_TORCH_THREADS)
+
+
+def pool_size(configured: int | str, device: str, cpu_default: int, on_gpu) -> tuple[int, str]:
+    """A stage's conversation slots and why: the configured number; for "auto", `cpu_default`
+    on a CPU and what `on_gpu()` returns ((slots, why)) on a GPU."""
+    if str(configured) not in ("", "auto"):
+        return int(configured), "configured"
+    if device.startswith("cuda"):
+        return on_gpu()
+    return cpu_default, "auto: the default on a CPU"
+
+
+def build_talker(checkpoint: str, max_conversations: int | str, device: str, persona_cache_size: int,
+                 mimi_runtime: str, warm_personas: str, dtype: str, kv_dtype: str, emit: Emit):
+    """The talker (stages/talker.Talker): the LM and Mimi's encoder on `device`, its pool, and
+    the personas of `warm_personas` ("all", or voice names, comma-separated) prefilled into its
+    cache, each with an empty role prompt, so that their first conversation starts at once."""
+    import torch
+
+    from ..lm import kv_cache
+    from ..lm.sampling import SamplingParams
+    from ..mimi.runtime import open_step
+    from ..stages.persona import PersonaLibrary
+    from ..stages.talker import Talker, TalkerSetup, conversations_that_fit
+
+    use_device_threads(device)
+    files = loaders.resolve_checkpoint(checkpoint)
+    lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
+    kv = kv_cache.resolve(kv_dtype, device, next(lm.parameters()).dtype)
+    mimi = open_step("encoder", files, mimi_runtime, device, threads=loaders.CPU_ENCODER_THREADS)
+    tokenizer = loaders.get_tokenizer(files)
+    slots, why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
+                           lambda: conversations_that_fit(lm, mimi, kv))
+    talker = Talker(lm, mimi, tokenizer, slots, persona_cache_size, kv_dtype=kv)
+    personas = PersonaLibrary(files, tokenizer)
+    names = files.voice_names() if warm_personas.strip() == "all" else \
+        [name.strip() for name in warm_personas.split(",") if name.strip()]
+    warmed = names[:talker.persona_cache.capacity]
+    for name in warmed:
+        talker.start(0, TalkerSetup(personas.persona(name, ""), SamplingParams()))
+        talker.stop(0)
+    talker.persona_cache.on_lookup = lambda hit: emit("persona_cache_lookup", hit)  # after warming: clients' only
+    return talker, StageInfo(slots, why, mimi.describe(), warmed)
+
+
+def build_code2wav(checkpoint: str, max_conversations: int | str, device: str, mimi_runtime: str, emit: Emit):
+    """Code2wav (stages/code2wav.Code2Wav): Mimi's decoder on `device` and its pool; on a GPU
+    its largest tick's memory taken at once (planned with the talker's pool:
+    loaders.GPU_DECODER_RESERVED_BYTES)."""
+    from ..mimi.runtime import open_step
+    from ..stages.code2wav import Code2Wav
+
+    use_device_threads(device)
+    files = loaders.resolve_checkpoint(checkpoint)
+    mimi = open_step("decoder", files, mimi_runtime, device)
+    slots, why = pool_size(max_conversations, device, loaders.CPU_DECODER_SLOTS,
+                           lambda: (loaders.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
+    decoder = Code2Wav(mimi, slots)
+    if device.startswith("cuda"):
+        decoder.take_largest_tick()
+    return decoder, StageInfo(slots, why, mimi.describe())
+
+
+def open_stage(name: str, build: Callable, options: dict, own_process: bool, metrics):
+    """(stage, StageInfo): `build(**options)` here, or in a process of its own, whose stage the
+    engine drives through a pipe (engine/stage_process.py); what it emits goes to `metrics`."""
+    from ..engine.stage_process import StageProcess
+
+    def emit(event: str, *args) -> None:
+        getattr(metrics, event)(*args)
+
+    if not own_process:
+        return build(**options, emit=emit)
+    stage = StageProcess(name, build, options, on_event=emit)
+    return stage, stage.info

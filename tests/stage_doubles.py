@@ -1,0 +1,64 @@
+"""Stages that a stage's process builds by name in tests (test_stage_process.py): the child
+imports this module from tests/, which the tests put on its PYTHONPATH."""
+
+import os
+
+from personaplex_triton.core.faults import SlotFault
+from personaplex_triton.engine.starts import StartJob
+
+
+class EchoStage:
+    """Each slot answers item x with (x, its process id, how many items it has seen). A tick
+    with the item "fault" fails naming its slot; "exit" ends the process, as a crash would.
+    A start's setup "pieces" starts in three pieces; a setup "bad" cannot start."""
+
+    def __init__(self, num_slots, emit):
+        self.num_slots = num_slots
+        self.emit = emit
+        self.seen = [0] * num_slots
+        self.stopped = []
+
+    def start_many(self, setups):
+        failed = {}
+        for slot, setup in setups.items():
+            if setup == "bad":
+                failed[slot] = ValueError(f"slot {slot}: a bad setup")
+            else:
+                self.seen[slot] = 0
+                self.emit("started", slot)
+        return failed
+
+    def begin_starts(self, setups):
+        if "pieces" not in setups.values():
+            return StartJob.at_once(self.start_many, setups)
+
+        def pieces(failed):
+            for _ in range(2):
+                yield
+            failed.update(self.start_many(setups))
+        return StartJob(pieces)
+
+    def stop(self, slot):
+        self.stopped.append(slot)
+
+    def tick(self, items):
+        out = {}
+        for slot, item in items.items():
+            if item == "fault":
+                raise SlotFault(slot, f"slot {slot} cannot step")
+            if item == "exit":
+                os._exit(3)
+            if item == "stopped":
+                out[slot] = list(self.stopped)
+                continue
+            self.seen[slot] += 1
+            out[slot] = (item, os.getpid(), self.seen[slot])
+        return out
+
+
+def build_echo(num_slots, emit):
+    return EchoStage(num_slots, emit), {"pid": os.getpid()}
+
+
+def build_failing(emit):
+    raise RuntimeError("this stage cannot be built")

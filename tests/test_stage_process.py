@@ -93,3 +93,16 @@ def test_an_engine_whose_stage_process_dies_stops_with_an_error_for_each_pending
     assert all("stage's process" in error and "is gone" in error for error in done.values()), done
     assert not engine.healthy and "is gone" in engine.failure
     engine.shutdown(0)
+
+
+def test_a_child_that_dies_between_ticks_stops_its_engine_at_the_next_heartbeat(echo):
+    import signal
+    import time
+
+    engine = SlotEngine(echo, name="echo")
+    os.kill(echo.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while engine.healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.healthy and "exit status -9" in engine.failure
+    engine.shutdown(0)

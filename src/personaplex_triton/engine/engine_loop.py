@@ -117,6 +117,8 @@ class EngineLoop(threading.Thread):
     def _beat(self, now: float) -> None:
         if now - self._last_beat >= HEARTBEAT_S / 2:
             self._last_beat = now
+            # a stage in a process of its own that died while idle: the engine stops (run)
+            getattr(self.stage, "raise_if_dead", lambda: None)()
             self.metrics.alive(True)
 
     def _poll_cancelled(self, now: float) -> None:

@@ -14,7 +14,8 @@ the engine's lock: `stop` is sent without waiting for an answer, and the child r
 message in the order sent, so a stop is done before the next start of that slot. What the
 stage reports on the side (`emit(name, *args)`, e.g. a persona cache lookup) comes back with
 the next answer and goes to `on_event`. If the child dies, every later call raises
-`StageProcessDied`, which stops the engine: its requests get the error and its health fails.
+`StageProcessDied`, which stops the engine: its requests get the error and its health fails
+(between ticks, the engine's heartbeat asks `raise_if_dead`).
 """
 
 from __future__ import annotations
@@ -161,6 +162,16 @@ class StageProcess:
 
     def _raise_if_died(self) -> None:
         if self._died is not None:
+            raise StageProcessDied(self._died)
+
+    def raise_if_dead(self) -> None:
+        """StageProcessDied if the child has exited: the engine's heartbeat asks, so that a
+        child that dies between ticks fails the health check at once."""
+        self._raise_if_died()
+        status = self._process.poll()
+        if status is not None:
+            self._died = f"the {self.name} stage's process {self._process.pid} is gone (exit status {status})"
+            log.error("%s", self._died)
             raise StageProcessDied(self._died)
 
 

@@ -14,10 +14,11 @@ class TritonPythonModel:
     def initialize(self, args):
         route_library_logs()
         params = model_parameters(args)
+        device = pick_device(params.get("device", "auto"), instance_gpu(args))
         self.service = Code2WavService(
-            loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
-            pick_device(params.get("device", "auto"), instance_gpu(args)), params["mimi_runtime"],
-            send_threads=int(params.get("send_threads", "1")), stage_process=stage_process(params),
+            loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"], device,
+            params["mimi_runtime"], send_threads=int(params.get("send_threads", "1")),
+            stage_process=stage_process(params, device),
             metrics=TritonMetrics(args["model_name"]))
         for line in load_log_lines(args["model_name"], self.service.info):
             log_info(line)

@@ -15,13 +15,14 @@ class TritonPythonModel(ConversationModel):
     def initialize(self, args):
         route_library_logs()
         params = model_parameters(args)
+        device = pick_device(params.get("device", "auto"), instance_gpu(args))
         service = TalkerService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
-            pick_device(params.get("device", "auto"), instance_gpu(args)), float(params["idle_timeout_s"]),
+            device, float(params["idle_timeout_s"]),
             int(params["persona_cache_size"]), params["mimi_runtime"],
             params.get("warm_personas", ""), params.get("dtype", "auto"),
             params.get("kv_dtype", "auto"), float(params.get("min_tick_interval_ms", "0")),
-            int(params.get("send_threads", "1")), stage_process(params),
+            int(params.get("send_threads", "1")), stage_process(params, device),
             metrics=TritonMetrics(args["model_name"]))
         for line in load_log_lines(args["model_name"], service.info):
             log_info(line)

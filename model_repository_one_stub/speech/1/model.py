@@ -16,16 +16,17 @@ class TritonPythonModel(ConversationModel):
     def initialize(self, args):
         route_library_logs()
         params = model_parameters(args)
+        device = pick_device(params.get("device", "auto"), instance_gpu(args))
         service = SpeechService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
-            pick_device(params.get("device", "auto"), instance_gpu(args)), params["decoder_conversations"],
+            device, params["decoder_conversations"],
             params["mimi_runtime"], int(params.get("send_threads", "1")),
             # The stages' metrics keep their own labels: dashboards and the health check read them.
             talker_metrics=TritonMetrics("talker"), code2wav_metrics=TritonMetrics("code2wav"),
             idle_timeout_s=float(params["idle_timeout_s"]), persona_cache_size=int(params["persona_cache_size"]),
             warm_personas=params.get("warm_personas", ""), dtype=params.get("dtype", "auto"),
             kv_dtype=params.get("kv_dtype", "auto"),
-            min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")), stage_process=stage_process(params))
+            min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")), stage_process=stage_process(params, device))
         for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
             for line in load_log_lines(stage, stage_service.info):
                 log_info(line)

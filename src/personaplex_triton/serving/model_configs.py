@@ -63,9 +63,10 @@ DEVICE = Parameter("device", "auto", "auto: the instance's GPU where there is on
 SEND_THREADS = Parameter("send_threads", "1", "Threads that send a tick's answers, each its own conversations' in "
                                              "order: a send is a round trip to tritonserver, and several can be "
                                              "in flight at once.")
-STAGE_PROCESS = Parameter("stage_process", "false", "true: the stage (its model and its ticks) runs in a process "
-                                                  "of its own beside the stub, so that its ticks never wait for the "
-                                                  "stub's GIL (its request and send threads).")
+STAGE_PROCESS = Parameter("stage_process", "auto", "true: the stage (its model and its ticks) runs in a process "
+                                                 "of its own beside the stub, so that its ticks never wait for the "
+                                                 "stub's GIL (its request and send threads); auto: on a GPU, not on "
+                                                 "a CPU.")
 
 PARAMETERS = {
     "talker": (

@@ -26,12 +26,14 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
-def stage_process(params: dict[str, str]) -> bool:
-    """The `stage_process` parameter: whether the stage runs in a process of its own."""
-    value = params.get("stage_process", "false").strip().lower()
-    if value not in ("true", "false"):
-        raise ValueError(f'parameter stage_process must be "true" or "false", got {value!r}')
-    return value == "true"
+def stage_process(params: dict[str, str], device: str) -> bool:
+    """The `stage_process` parameter: whether the stage runs in a process of its own; "auto":
+    on a GPU (where it took the tick off the stub's GIL), not on a CPU (where two more
+    processes on a few cores cost more; docs/gpu-serving.md)."""
+    value = params.get("stage_process", "auto").strip().lower()
+    if value not in ("auto", "true", "false"):
+        raise ValueError(f'parameter stage_process must be "auto", "true" or "false", got {value!r}')
+    return device.startswith("cuda") if value == "auto" else value == "true"
 
 
 def instance_gpu(args: dict) -> int | None:

@@ -106,3 +106,12 @@ def test_a_child_that_dies_between_ticks_stops_its_engine_at_the_next_heartbeat(
         time.sleep(0.05)
     assert not engine.healthy and "exit status -9" in engine.failure
     engine.shutdown(0)
+
+
+def test_the_stage_process_parameter_is_on_by_default_on_a_gpu_only_and_refuses_other_words():
+    from personaplex_triton.serving.stage_builds import stage_process
+
+    assert stage_process({}, "cuda:0") and not stage_process({}, "cpu")
+    assert stage_process({"stage_process": "True"}, "cpu") and not stage_process({"stage_process": "false"}, "cuda")
+    with pytest.raises(ValueError, match='stage_process must be "auto", "true" or "false", got \'yes\''):
+        stage_process({"stage_process": "yes"}, "cpu")

@@ -3,9 +3,9 @@
 from personaplex_triton.core import loaders, seam
 from personaplex_triton.serving.serving import Code2WavService, load_log_lines, pick_device
 from personaplex_triton.serving.shutdown import mark_finalized, register
+from personaplex_triton.serving.stage_builds import stage_process
 from personaplex_triton.serving.triton_adapter import (
-    TritonMetrics, instance_gpu, loaded, log_info, model_parameters, request_arrays, responder, route_library_logs,
-    stage_process)
+    TritonMetrics, instance_gpu, loaded, log_info, model_parameters, request_arrays, responder, route_library_logs)
 
 INPUTS = tuple(spec.name for spec in seam.TENSORS)
 

@@ -6,8 +6,9 @@ import numpy as np
 from personaplex_triton.core import contract, loaders
 from personaplex_triton.serving.serving import load_log_lines, pick_device
 from personaplex_triton.serving.speech import SpeechService
+from personaplex_triton.serving.stage_builds import stage_process
 from personaplex_triton.serving.triton_adapter import (
-    ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs, stage_process)
+    ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 
 INPUTS = tuple(spec.name for spec in contract.INPUTS)
 

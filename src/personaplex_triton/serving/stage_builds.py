@@ -25,6 +25,16 @@ class StageInfo:
     warmed: list[str] | None = None  # the talker's personas prefilled at load
 
 
+def stage_process(params: dict[str, str], device: str) -> bool:
+    """A model's `stage_process` parameter: whether its stage runs in a process of its own;
+    "auto": on a GPU (where it took the tick off the stub's GIL), not on a CPU (where two more
+    processes on a few cores cost more than they save; docs/gpu-serving.md)."""
+    value = params.get("stage_process", "auto").strip().lower()
+    if value not in ("auto", "true", "false"):
+        raise ValueError(f'parameter stage_process must be "auto", "true" or "false", got {value!r}')
+    return device.startswith("cuda") if value == "auto" else value == "true"
+
+
 def use_device_threads(device: str) -> None:
     """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
     On a GPU, how long a thread that wants the GIL waits for another to give it up

@@ -26,16 +26,6 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
-def stage_process(params: dict[str, str], device: str) -> bool:
-    """The `stage_process` parameter: whether the stage runs in a process of its own; "auto":
-    on a GPU (where it took the tick off the stub's GIL), not on a CPU (where two more
-    processes on a few cores cost more; docs/gpu-serving.md)."""
-    value = params.get("stage_process", "auto").strip().lower()
-    if value not in ("auto", "true", "false"):
-        raise ValueError(f'parameter stage_process must be "auto", "true" or "false", got {value!r}')
-    return device.startswith("cuda") if value == "auto" else value == "true"
-
-
 def instance_gpu(args: dict) -> int | None:
     """The GPU of a KIND_GPU instance (one per GPU with instance_group `gpus`), else None."""
     return int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else None

@@ -128,35 +128,46 @@ def test_fp8_pool_snapshot_restore(lm):
 
 
 def test_a_pass_through_one_slots_buffers_leaves_the_slot_as_a_pass_on_its_row(lm):
-    """prefill_graphs.py's graphed pass, run eagerly: one slot's state and its ring gathered
-    into one-row buffers (slot_states.CarriedRows), two passes of the transformer there, written
-    back: the slot holds what two passes on its own row leave, entry for entry, and no other
-    slot changes."""
+    """prefill_graphs.py's graphed pass, run eagerly: one slot's state and the head of its ring
+    gathered into one-row buffers of a whole ring (slot_states.CarriedRows), two passes of the
+    transformer there, the head written back: the slot holds what two passes on its own row
+    leave, entry for entry, whatever the pool's ring and the buffers held past the head (a
+    conversation's leftovers, an earlier slot's), which stays as it was; no other slot changes."""
     gen = SlotGenerator(lm, 3, cuda_graphs=False)
+    head = 10  # PrefillPasses.head: the longest prefill (8 positions here)
     try:
         rng = torch.Generator().manual_seed(5)
         chunks = [torch.randn(1, t, lm.dim, generator=rng) for t in (5, 3)]
         gen.start_many({1: SamplingParams(), 2: SamplingParams()})
+        rings = [s.kv_cache for s in gen.states.states() if getattr(s, "kv_cache", None) is not None]
+        for kv in rings:  # leftovers past the head, in the pool's ring of both slots
+            kv.cache[:, 1:3, :, head:] = torch.randn(kv.cache[:, 1:3, :, head:].shape, generator=rng).to(kv.cache)
+        leftovers = [kv.cache[:, 2, :, head:].clone() for kv in rings]
         untouched = gen.snapshot(0)
+        end = 0
         for chunk in chunks:  # slot 1: on its own row (the eager path)
-            gen.prefill.run(1, chunk)
+            end += chunk.shape[1]
+            gen.prefill.run(1, chunk, end)
         buffers = gen.states.one_slot()
+        for _, _, view in buffers.views:  # an earlier slot's entries in the buffers, past the head
+            if getattr(view, "kv_cache", None) is not None:
+                view.kv_cache.cache[:, :, :, head:] = torch.randn(view.kv_cache.cache[:, :, :, head:].shape,
+                                                                  generator=rng).to(view.kv_cache.cache)
         for chunk in chunks:  # slot 2: through the buffers, as the graph does
-            buffers.load(torch.tensor([2]), torch.tensor([True]))
+            buffers.load(torch.tensor([2]), torch.tensor([True]), filled=head)
             with buffers.seen():
                 lm.transformer(chunk)
-            buffers.store()
-        rings = 0
+            buffers.store(filled=head - 1)
         for state in gen.states.states():
             for name, value in vars(state).items():
                 if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == 3 and name != "exec_mask":
                     assert torch.equal(value[1], value[2]), name
-            kv = getattr(state, "kv_cache", None)
-            if kv is not None:
-                rings += 1
-                assert kv.end_offset[1] == kv.end_offset[2] == 8
-                assert torch.equal(kv.cache[:, 2, :, :8], kv.cache[:, 1, :, :8])
-        assert rings == len(lm.transformer.layers)
+        for kv, leftover in zip(rings, leftovers, strict=True):
+            assert kv.end_offset[1] == kv.end_offset[2] == 8
+            assert torch.equal(kv.cache[:, 2, :, :8], kv.cache[:, 1, :, :8])
+            assert torch.equal(kv.cache[:, 2, :, :head][:, :, 8:], torch.zeros_like(kv.cache[:, 2, :, 8:head]))
+            assert torch.equal(kv.cache[:, 2, :, head:], leftover)
+        assert len(rings) == len(lm.transformer.layers)
         for before, after in zip(untouched["modules"], gen.snapshot(0)["modules"], strict=True):
             # (the eager pass sets every slot's exec mask; a step sets its rows' own)
             assert all(torch.equal(before[name], after[name]) for name in before.keys() - {"exec_mask"})

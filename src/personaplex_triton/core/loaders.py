@@ -147,6 +147,8 @@ TOP_K_TEXT_BUCKETS = (TOP_K_TEXT, MAX_TOP_K)
 MAX_ROLE_PROMPT_CHARS = 4000   # checked before tokenizing
 MAX_ROLE_PROMPT_TOKENS = 256   # one prefill step per token; PersonaPlex's prompts take a few dozen
 MAX_VOICE_PROMPT_FRAMES = 250  # 20 s, one prefill step per frame
+# The longest prefill: voice prompt, silence, role prompt, silence (stages/talker.py's prefill_program).
+MAX_PREFILL_POSITIONS = MAX_VOICE_PROMPT_FRAMES + MAX_ROLE_PROMPT_TOKENS + 2 * PREFILL_SILENCE_FRAMES
 MAX_FRAMES_PER_REQUEST = 125   # 10 s of audio in one request
 MAX_TEMPERATURE = 10.0
 

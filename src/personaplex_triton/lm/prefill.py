@@ -53,7 +53,9 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
     inputs = generator.embed(torch.cat(previous).to(generator.device))  # [M, 1, dim]
     if embeddings:
         inputs[list(embeddings), 0] = torch.stack(list(embeddings.values())).to(inputs)
+    end = 0
     for chunk in inputs.transpose(0, 1).split(generator.prefill.lengths(len(tokens)), dim=1):
         yield
-        generator.prefill.run(slot, chunk)
+        end += chunk.shape[1]
+        generator.prefill.run(slot, chunk, end)
     return inputs

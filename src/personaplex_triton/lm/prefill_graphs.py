@@ -7,17 +7,23 @@ length, and about 80 ms more the first time a length is seen, while the live con
 ticks wait for it (bench/results/2026-12-05-prefill-pieces-h100.md). A graph replays in the
 time its kernels take, 13-21 ms whatever its length, so a start costs its count of passes
 (a graph for each length up to PREFILL_CHUNK, not for powers of two only: 230 positions are 4
-passes, not 6). Inside the graph the slot's streaming state and its whole KV ring are
-gathered into one-row buffers, the pass runs there, and they are written back
-(slot_states.CarriedRows): the pass runs the eager pass's kernels on the same shapes, and the
-slot's state comes out bit for bit as an eager pass leaves it (tests/test_gpu.py). Off CUDA,
-with graphs off, or of a length captured for none, a pass runs eagerly on the slot's own row.
+passes, not 6). Inside the graph the slot's streaming state and its KV ring are gathered into
+one-row buffers, the pass runs there, and they are written back (slot_states.CarriedRows).
+The buffers hold a whole ring, so the pass runs the eager pass's kernels on the same shapes
+and the slot's state comes out bit for bit as an eager pass leaves it (tests/test_gpu.py); but
+only the ring's head moves in and out, the first `head` entries (loaders.MAX_PREFILL_POSITIONS,
+518): a started slot's ring is empty, a prefill fills no more than that, and moshi's attention
+masks every entry past the slot's end, so what the buffers hold there never counts. (Gathering
+and writing back the whole ring, 3,000 entries a layer, made a pass 21-27 ms on an H100 against
+13 over the head alone.) Off CUDA, with graphs off, past the head or of a length captured for
+none, a pass runs eagerly on the slot's own row.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..core import loaders
 from .slot_states import SlotStates
 from .step_graphs import capture
 
@@ -42,6 +48,7 @@ class PrefillPasses:
         """`lm`: the streaming LMModel whose temporal transformer the passes run; `states`: its
         slots' streaming states; `enabled`: under CUDA graphs."""
         self.lm, self.states, self.enabled = lm, states, enabled
+        self.head = min(loaders.MAX_PREFILL_POSITIONS, lm.context)  # the ring entries a graphed pass moves
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if enabled:
             self._carried = states.one_slot()
@@ -56,9 +63,10 @@ class PrefillPasses:
         """The passes of a prefill of `positions` (`pass_lengths`), graphed or eager alike."""
         return pass_lengths(positions)
 
-    def run(self, slot: int, chunk: torch.Tensor) -> None:
-        """One pass of `chunk` [1, T, dim] (the steps' input embeddings) into `slot`."""
-        graphed = self._graphs.get(chunk.shape[1])
+    def run(self, slot: int, chunk: torch.Tensor, end: int) -> None:
+        """One pass of `chunk` [1, T, dim] (the steps' input embeddings) into `slot`, after
+        which its prefill has filled `end` positions."""
+        graphed = self._graphs.get(chunk.shape[1]) if end <= self.head else None
         if graphed is None:
             exec_mask = torch.zeros(self.states.num_slots, dtype=torch.bool, device=chunk.device)
             exec_mask[slot] = True
@@ -80,10 +88,10 @@ class PrefillPasses:
         return len(self)
 
     def _pass(self, inputs: torch.Tensor) -> None:
-        self._carried.load(self._slot, self._active)
+        self._carried.load(self._slot, self._active, filled=self.head)
         with self._carried.seen():
             self.lm.transformer(inputs)
-        self._carried.store()
+        self._carried.store(filled=self.head - 1)  # store writes one past `filled` (a step's new entry)
 
     def _capture(self, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         inputs = torch.zeros(1, length, self.lm.dim, device=self.lm.device, dtype=next(self.lm.parameters()).dtype)

@@ -115,3 +115,14 @@ def test_the_stage_process_parameter_is_on_by_default_on_a_gpu_only_and_refuses_
     assert stage_process({"stage_process": "True"}, "cpu") and not stage_process({"stage_process": "false"}, "cuda")
     with pytest.raises(ValueError, match='stage_process must be "auto", "true" or "false", got \'yes\''):
         stage_process({"stage_process": "yes"}, "cpu")
+
+
+def test_a_ctrl_c_to_the_process_group_leaves_the_child_to_the_stub(echo):
+    """A terminal's Ctrl-C (SIGINT to every process of the group) must not end the child under
+    a stub that is still draining: the stub ends it."""
+    import signal
+    import time
+
+    os.kill(echo.pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert echo.tick({0: "a"}) == {0: ("a", echo.pid, 1)}

@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -251,5 +252,8 @@ def _free_cuda_cache(exc: Exception) -> None:
 
 def main() -> None:
     name, fd = sys.argv[1], int(sys.argv[2])
+    # A terminal's Ctrl-C reaches the whole process group: the server's graceful shutdown ends
+    # this process (`close`, or its pipe's end), after the stub's last tick.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=f"{name} stage %(levelname)s %(name)s: %(message)s")
     serve(Connection(fd))

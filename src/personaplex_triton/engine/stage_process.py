@@ -80,6 +80,7 @@ class StageProcess:
         self.name = name
         self._on_event = on_event
         self._send_lock = threading.Lock()
+        self._call_lock = threading.Lock()  # one call and its answer at a time (the loop's; `close`)
         self._died: str | None = None
         self.last_tick_cpu_s = 0.0  # the child's CPU time in the last tick (the tick's trace)
         self._conn, child = Pipe(duplex=True)
@@ -109,8 +110,12 @@ class StageProcess:
         return RemoteStartJob(self, self._call("begin_starts", setups))
 
     def stop(self, slot: int) -> None:
-        if self._died is None:  # a dead child holds nothing to stop
+        """Sent without waiting (the engine calls it under its lock, from any thread). A dead
+        child holds nothing to stop: the next tick or heartbeat reports the death."""
+        try:
             self._post(("stop", slot))
+        except StageProcessDied:
+            pass
 
     def close(self) -> None:
         if self._died is None:
@@ -127,8 +132,9 @@ class StageProcess:
 
     # -- the pipe ----------------------------------------------------------------------------
     def _call(self, op: str, *args):
-        self._post((op, *args))
-        return self._answer()
+        with self._call_lock:
+            self._post((op, *args))
+            return self._answer()
 
     def _post(self, message: tuple) -> None:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -140,7 +146,7 @@ class StageProcess:
                 self._die(exc)
 
     def _answer(self):
-        """The child's answer to the last call; only the engine's loop waits for answers."""
+        """The child's answer to the last call (under the call lock)."""
         self._raise_if_died()
         try:
             ok, value, events = pickle.loads(self._conn.recv_bytes())
@@ -232,6 +238,7 @@ def serve(conn: Connection) -> None:
             else:
                 raise ValueError(f"unknown stage call {op!r}")
         except Exception as exc:
+            log.warning("%s failed", op, exc_info=True)  # its traceback, which the pipe does not carry
             _free_cuda_cache(exc)
             answer(False, _portable(exc))
             if op == "build":

@@ -714,3 +714,18 @@ def test_send_order_reads_a_runs_conversations_by_start_quarter_and_models_the_t
     assert send_order.main(["--conversations", "8", "--seconds", "2", "--out", str(tmp_path), "--name", "t"]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
     assert [name.split("-send-order-")[1] for name in written] == ["t.json", "t.md", "t.png"]
+
+
+def test_the_start_cost_model_counts_the_late_frames_a_start_s_pieces_make():
+    """bench/start_cost_model.py: with no start nothing is late at 55 conversations; a start's
+    long pieces make the live frames late near it, shorter pieces fewer, and the start's span
+    covers its pieces."""
+    from bench.start_cost_model import simulate, summary
+
+    common = dict(conversations=55, seconds=20, tick_fixed_ms=10.5, tick_per_frame_ms=0.38, after_ms=8.1,
+                  start_every_s=5, pieces=3)
+    quiet = summary(simulate(**{**common, "pieces": 0}, piece_ms=31))
+    long, short = (summary(simulate(**common, piece_ms=ms)) for ms in (31, 13))
+    assert quiet["late_near_a_start"] == quiet["late_elsewhere"] == 0 and quiet["start_ms"] is None
+    assert long["late_near_a_start"] > 10 > short["late_near_a_start"]
+    assert long["start_ms"] >= 3 * 31 and short["start_ms"] >= 3 * 13

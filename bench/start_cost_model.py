@@ -14,7 +14,7 @@ the start's length (what a newcomer waits for its first answer, less the trip).
 
     python -m bench.start_cost_model --piece-ms 31 18 13
 
-writes bench/results/<date>-start-cost-model-<name>.{md,json}. Checked against the H100's
+writes bench/results/<date>-start-cost-model-<name>.{md,json,png}. Checked against the H100's
 55 x 240 s run (5f53eaa: 3 pieces of about 31 ms, 42 late frames of the others a start).
 """
 

@@ -785,3 +785,33 @@ def test_the_frame_trace_keeps_the_ticks_cpu_time(tmp_path, monkeypatch):
         assert record["tick_end"] - record["tick_start"] >= 0.06
     assert spin["tick_cpu"] >= 0.04  # the CPU time of a busy thread, less what the scheduler took
     assert sleep["tick_cpu"] < 0.02
+
+
+def test_a_starts_later_pieces_wait_for_two_ticks_while_live_frames_wait_and_not_otherwise():
+    """`piece_spacing_ticks` 2 (the talker's): while a live conversation's frames wait, two of
+    its ticks run between two pieces of a start (its first piece at once, as before); with no
+    live frames the pieces run one after another."""
+    stage = PiecewiseStage(2, pieces=5, piece_s=0.005)
+    engine = SlotEngine(stage, piece_spacing_ticks=2)
+    try:
+        engine.open(1, None)
+        run(engine, 1, ["warm"])
+        live = Collector()
+        engine.submit(1, list(range(60)), live.on_output, live.on_done)
+        engine.open(2, None)
+        assert run(engine, 2, ["x"]).outputs == [("x", 1)]
+        live.wait()
+        pieces = [i for i, entry in enumerate(stage.log) if entry == ("piece", [1])]
+        assert len(pieces) == 5
+        between = [sum(what == "tick" for what, _ in stage.log[a + 1:b]) for a, b in zip(pieces, pieces[1:])]
+        assert all(n >= 2 for n in between), between
+
+        stage.log.clear()  # alone: nothing waits, so nothing spaces the pieces
+        engine.submit(1, [], None, lambda _: None, close=True)
+        assert wait_until(lambda: ("stop", 0) in stage.log)
+        engine.open(3, None)
+        assert run(engine, 3, ["y"]).outputs == [("y", 1)]
+        pieces = [i for i, entry in enumerate(stage.log) if entry[0] == "piece"]
+        assert len(pieces) == 5 and pieces == list(range(pieces[0], pieces[0] + 5)), stage.log
+    finally:
+        engine.shutdown()

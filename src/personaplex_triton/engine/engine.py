@@ -63,12 +63,12 @@ class SlotEngine:
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
                  gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
-                 send_threads: int = 1):
+                 piece_spacing_ticks: int = 1, send_threads: int = 1):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
-        `gather`, `gather_max_s`, `admission_tick_s`, `min_tick_interval_s`: the scheduler's
-        (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
+        `gather`, `gather_max_s`, `admission_tick_s`, `min_tick_interval_s`,
+        `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py)."""
         self.stage = stage
         self.name = name
@@ -78,7 +78,7 @@ class SlotEngine:
         self._cond = threading.Condition()
         self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
         self.scheduler = Scheduler(self._table, gather, gather_max_s, admission_tick_s,  # under self._cond
-                                   min_tick_interval_s)
+                                   min_tick_interval_s, piece_spacing_ticks)
         self._admitting = True
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)

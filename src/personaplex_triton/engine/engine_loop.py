@@ -84,7 +84,8 @@ class EngineLoop(threading.Thread):
         table = self._table
         with self._lock:
             due = self._scheduler.due_in()
-            if self.running and not (table.to_start or self._starts or any(c.closable for c in table.all)) and due != 0:
+            if self.running and not (table.to_start or self._piece_due() or any(c.closable for c in table.all)) \
+                    and due != 0:
                 self._lock.wait(HEARTBEAT_S if due is None else due)
             if not self.running:
                 return False
@@ -153,10 +154,19 @@ class EngineLoop(threading.Thread):
         job = begin_starts(self.stage, {conv.slot: conv.setup for conv in starting})
         self._starts.append(_Start(starting, job, time.perf_counter()))
 
+    def _piece_due(self) -> bool:
+        """Whether the next start's next piece may run now (scheduler.piece_due); under the lock."""
+        return bool(self._starts) and self._scheduler.piece_due(first=self._starts[0].pieces == 0)
+
     def _advance_starts(self) -> None:
         """One piece of one start a pass, the starts under way taking turns, so that a tick never
-        waits for more than one piece; a start done lets its conversations tick, and one that
-        cannot start ends with the reason, the others go on."""
+        waits for more than one piece, and a start's later pieces spaced by the scheduler's
+        ticks; a start done lets its conversations tick, and one that cannot start ends with the
+        reason, the others go on."""
+        with self._lock:
+            if not self._piece_due():
+                return
+            self._scheduler.piece_ran()
         start = self._starts.pop(0)
         began = time.perf_counter()
         try:

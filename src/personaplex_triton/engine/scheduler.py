@@ -26,6 +26,17 @@ gather). Fewer, larger ticks read the weights fewer times: less GPU work for the
 at the cost of a frame waiting longer for its tick. Off by default (the greedy ticks above);
 a model parameter (`min_tick_interval_ms`), to measure against them.
 
+A start in pieces (starts.py) runs between the ticks, one piece a pass of the engine's loop.
+`piece_spacing_ticks` > 1 keeps that many ticks between two pieces of a start while live frames
+wait: a frame that comes during the tick just before a piece waits for the rest of that tick,
+the piece, and the tick after it, which carries what piled up meanwhile. With one tick between
+a start's pieces that tick is itself a large catch-up tick; with two it is a normal one. In the
+engine's loop, modelled with the H100's served figures at 55 conversations (bench/
+start_cost_model.py, calibrated on a 4-minute run: 49 late frames a start, 42 measured), 3
+pieces of 31 ms made 49 of the live conversations' frames late a start with one tick between
+them, none with two, the start 38 ms longer. A start's first piece (the whole of a cached
+persona's start, or code2wav's) runs as before.
+
 `record()` takes each tick's frames and duration (the ticker's, which the metrics count too:
 frames per tick, ticks per second and the busy fraction are theirs) into a linear tick-cost
 model (`TickModel`), from which `admission_error` refuses a newcomer that would make the live
@@ -101,19 +112,23 @@ class TickModel:
 class Scheduler:
     def __init__(self, table: ConversationTable, gather: Callable[[Any], tuple[int, int] | None] | None = None,
                  gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
-                 clock=time.time):
+                 piece_spacing_ticks: int = 1, clock=time.time):
         """`gather`, `gather_max_s`: how a tick gathers frames (the module docstring; None: it
         starts as soon as one waits). `admission_tick_s`: a new conversation is refused
         when the tick model says the live ones and it would settle at ticks longer than this
         (a frame waits up to one tick and is answered at the end of the next: about two
         ticks); 0: no admission by time. `min_tick_interval_s`: the least time from one tick's
-        start to the next's (the module docstring; 0: none). `clock`: the wall clock, which the
-        queue's items are stamped with (for the frame trace)."""
+        start to the next's (the module docstring; 0: none). `piece_spacing_ticks`: the ticks
+        between two pieces of a start while live frames wait (the module docstring; 1: as the
+        loop runs, a piece a pass). `clock`: the wall clock, which the queue's items are stamped
+        with (for the frame trace)."""
         self._table = table
         self.gather = gather
         self.gather_max_s = gather_max_s
         self.admission_tick_s = admission_tick_s
         self.min_tick_interval_s = min_tick_interval_s
+        self.piece_spacing_ticks = piece_spacing_ticks
+        self._ticks_since_piece = piece_spacing_ticks
         self._clock = clock
         self._last_tick_at: float | None = None
         self.model = TickModel()
@@ -147,8 +162,19 @@ class Scheduler:
         if due is None or due > 0:
             return None
         self._last_tick_at = self._clock()
+        self._ticks_since_piece += 1
         rows = [(c.slot, (c, *c.queue.popleft())) for c in self._table.ready() if c.queue]
         return TickPlan(dict(sorted(rows, key=lambda row: row[1][3])))  # by the time each was queued
+
+    def piece_due(self, first: bool) -> bool:
+        """Whether a start's next piece may run now (`first`: its first piece): always with
+        `piece_spacing_ticks` 1 and for a first piece; else once that many ticks have run since
+        the last piece, or when no live frame waits (a piece then holds no one up)."""
+        return (first or self.piece_spacing_ticks <= 1 or self._ticks_since_piece >= self.piece_spacing_ticks
+                or self.due_in() is None)
+
+    def piece_ran(self) -> None:
+        self._ticks_since_piece = 0
 
     # -- what ticks cost ----------------------------------------------------------------------
     def record(self, frames: int, seconds: float) -> None:

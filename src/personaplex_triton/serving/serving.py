@@ -193,7 +193,8 @@ class TalkerService:
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
                                  admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
-                                 min_tick_interval_s=min_tick_interval_ms / 1000, send_threads=send_threads)
+                                 min_tick_interval_s=min_tick_interval_ms / 1000,
+                                 piece_spacing_ticks=loaders.START_PIECE_SPACING_TICKS, send_threads=send_threads)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:

@@ -49,7 +49,9 @@ SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long be
 
 class Stage(Protocol):
     """What the engine drives. A stage may also have `begin_starts(setups) -> StartJob`: the
-    same start in pieces, which the engine runs one a pass, between ticks (starts.py)."""
+    same start in pieces, which the engine runs one a pass, between ticks (starts.py); and, as a
+    stage in a process of its own has (stage_process.py), `last_tick_cpu_s` (the CPU time its
+    last tick took there, for the tick's trace) and `raise_if_dead()` (asked at each heartbeat)."""
 
     num_slots: int
 

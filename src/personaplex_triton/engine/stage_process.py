@@ -91,7 +91,12 @@ class StageProcess:
              name, str(child.fileno())], pass_fds=[child.fileno()], env=env)
         child.close()
         self._post(("build", build, options))
-        self.num_slots, self.info = self._answer()
+        try:
+            self.num_slots, self.info = self._answer()
+        except BaseException:  # a child whose build failed has exited: reap it
+            self._process.wait(CLOSE_TIMEOUT_S)
+            self._conn.close()
+            raise
         log.info("%s: the stage runs in process %d", name, self._process.pid)
 
     @property
@@ -163,9 +168,7 @@ class StageProcess:
             status = self._process.wait(5)
         except subprocess.TimeoutExpired:
             status = None
-        self._died = f"the {self.name} stage's process {self._process.pid} is gone (exit status {status}: {exc!r})"
-        log.error("%s", self._died)
-        raise StageProcessDied(self._died)
+        raise self._gone(f"exit status {status}: {exc!r}")
 
     def _raise_if_died(self) -> None:
         if self._died is not None:
@@ -177,9 +180,13 @@ class StageProcess:
         self._raise_if_died()
         status = self._process.poll()
         if status is not None:
-            self._died = f"the {self.name} stage's process {self._process.pid} is gone (exit status {status})"
-            log.error("%s", self._died)
-            raise StageProcessDied(self._died)
+            raise self._gone(f"exit status {status}")
+
+    def _gone(self, how: str) -> StageProcessDied:
+        """The child is gone: every later call raises what this returns."""
+        self._died = f"the {self.name} stage's process {self._process.pid} is gone ({how})"
+        log.error("%s", self._died)
+        return StageProcessDied(self._died)
 
 
 # -- the child ---------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ def simulate(conversations: int, seconds: float, tick_fixed_ms: float, tick_per_
     frames = int(seconds * 1000 / FRAME_MS)
     arrivals = np.sort((phases[:, None] + FRAME_MS * np.arange(frames)[None, :]
                         + rng.normal(0, 1.0, (conversations, frames))).ravel())
-    starts = list(np.arange(start_every_s, seconds, start_every_s) * 1000)
+    start_times = list(np.arange(start_every_s, seconds, start_every_s) * 1000)
+    starts = list(start_times)  # those not yet begun
     waiting: list[float] = []  # arrival times not yet ticked (a conversation has one at most: a model)
     t, i, left, since_piece = 0.0, 0, 0, spacing
     began, spans, sent, latencies = None, [], [], []
@@ -66,7 +67,7 @@ def simulate(conversations: int, seconds: float, tick_fixed_ms: float, tick_per_
             t = arrivals[i] if i < len(arrivals) else t
             since_piece = spacing
     return {"sent": np.array(sent), "latencies": np.array(latencies), "spans": spans,
-            "starts": list(np.arange(start_every_s, seconds, start_every_s) * 1000)}
+            "starts": start_times}
 
 
 def summary(run: dict) -> dict:

@@ -99,10 +99,7 @@ def markdown(result: dict, plot_name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     names = [name for name, _, _ in SEGMENTS if name not in TICKS]
     fig, ax = plt.subplots(figsize=(8, 4))

@@ -182,10 +182,7 @@ def markdown(result: dict, plot_name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.5))
     for ax, kind in zip(axes, KINDS):

@@ -150,10 +150,7 @@ def markdown(result: dict, plot_name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for turn, marker in ((1, "o"), (2, "x")):

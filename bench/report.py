@@ -483,6 +483,14 @@ def _ticks_table(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------- plots
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: the benchmarks write files and never open a window."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def save_figure(fig, path: Path, title: str | None = None, fontsize: float | None = None, dpi: int = 100) -> None:
     """Title a matplotlib figure (its suptitle), lay it out, write it to `path` and close it."""
     import matplotlib.pyplot as plt
@@ -497,9 +505,7 @@ def save_figure(fig, path: Path, title: str | None = None, fontsize: float | Non
 def plot_load(rows: list[dict], title: str, path: Path) -> None:
     """Left: p50 / p95 / p99 against conversations. Middle and right, along the run (per window
     of the paced part), one line per level: p99, and frames over 80 ms."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n = [r["conversations"] for r in rows]
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 3.8))
@@ -522,9 +528,7 @@ def plot_load(rows: list[dict], title: str, path: Path) -> None:
 
 
 def plot_perf_analyzer(rows: list[dict], title: str, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     c = [r["concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -545,9 +549,7 @@ def plot_cdf(series: dict[str, list[float]], xlabel: str, ylabel: str, title: st
              log_x: bool = False) -> None:
     """Each series' values as a cumulative distribution (the share of values at most x), one
     line a label; an empty series draws no line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for label, values in series.items():

@@ -114,10 +114,7 @@ def markdown(result: dict, plot_name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for label in result["servers"]:

@@ -259,10 +259,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     t = [s["t_s"] for s in result["samples"]]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))

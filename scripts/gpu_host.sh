@@ -31,8 +31,8 @@
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
-# On the lent machine triton and packages travel together with this checkout in one `device`
-# call (under its 64 MiB), and scipy (with tools, where a run profiles) in the next, at once, which
+# On the lent machine packages and scipy travel together with this checkout in one `device`
+# call (under its 64 MiB), and triton (with tools, where a run profiles) in the next, at once, which
 # installs them and runs what it came for (a warm machine keeps build/, checkpoints/ and a started
 # server between calls that follow one another). docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
 set -euo pipefail

@@ -10,7 +10,13 @@ without a persona cache (so each start prefills), and times each piece to the en
 work. Beside each start: the CUDA caching allocator's device allocations and retries (a retry
 frees its cache and synchronises), and the Triton kernels compiled, over the start.
 
+With `--live N`, N conversations of the default voice tick beside the start, `--spacing` ticks
+before each piece as the engine's scheduler spaces them (frames of noise, no code2wav): a piece
+then runs right after a tick, as served, with whatever the tick left queued on the GPU (its
+Mimi encode), and the table tells the pieces' cost beside live ticks from the served one's.
+
     python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --name prefill-pieces-h200
+    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 --name prefill-pieces-live
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -25,6 +31,7 @@ from pathlib import Path
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before moshi is imported
 
+import numpy as np
 import torch
 
 from bench import report
@@ -58,8 +65,9 @@ def allocator(device: torch.device) -> tuple[int, int]:
     return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
 
 
-def timed_start(talker, slot: int, setup, device: torch.device) -> dict:
-    """Start `setup` in `slot` in pieces, each timed to the end of its GPU work."""
+def timed_start(talker, slot: int, setup, device: torch.device, before_piece=lambda: None) -> dict:
+    """Start `setup` in `slot` in pieces, each timed to the end of its GPU work;
+    `before_piece()` runs before each (the live conversations' ticks), unsynchronised."""
     from personaplex_triton.stages.talker import prefill_program
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -68,6 +76,7 @@ def timed_start(talker, slot: int, setup, device: torch.device) -> dict:
     job, pieces = talker.begin_starts({slot: setup}), []
     sync()
     while True:
+        before_piece()
         began = time.perf_counter()
         done = job.advance()
         sync()
@@ -86,7 +95,33 @@ def timed_start(talker, slot: int, setup, device: torch.device) -> dict:
             "kernels_compiled": kernels_compiled() - kernels}
 
 
-def run(checkpoint: str, device: str, max_conversations: str) -> tuple[list[dict], str]:
+class LiveTicks:
+    """`live` conversations of `persona` in the slots after 0, ticked `spacing` times a call,
+    each tick timed (it ends when its answers are on the host, as served)."""
+
+    def __init__(self, talker, persona, live: int, spacing: int):
+        from personaplex_triton.lm.sampling import SamplingParams
+        from personaplex_triton.stages.talker import TalkerSetup
+
+        if live >= talker.num_slots:
+            raise ValueError(f"--live {live}: the talker's pool has {talker.num_slots} slots, and slot 0 is the starts'")
+        self.talker, self.spacing, self.ticks_ms = talker, spacing, []
+        slots = range(1, live + 1)
+        failed = talker.start_many({s: TalkerSetup(persona, SamplingParams()) for s in slots})
+        if failed:
+            raise RuntimeError(f"the live conversations did not start: {failed}")
+        noise = np.random.default_rng(0).normal(0, 0.01, (live, 1920)).astype(np.float32)
+        self.frames = dict(zip(slots, noise))
+
+    def __call__(self) -> None:
+        for _ in range(self.spacing if self.frames else 0):
+            began = time.perf_counter()
+            self.talker.tick(self.frames)
+            self.ticks_ms.append((time.perf_counter() - began) * 1000)
+
+
+def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
+        spacing: int = 1) -> tuple[list[dict], str, dict]:
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.serving.serving import TalkerService
     from personaplex_triton.stages.talker import TalkerSetup
@@ -97,13 +132,17 @@ def run(checkpoint: str, device: str, max_conversations: str) -> tuple[list[dict
                             warm_personas="all")
     try:
         voice = service.personas.default_voice
+        ticks = LiveTicks(service.talker, service.personas.persona(voice, ""), live, spacing)
         starts = []
         for words in PROMPT_WORDS:
             persona = service.personas.persona(voice, prompt(words))
             for turn in (1, 2):
-                start = timed_start(service.talker, 0, TalkerSetup(persona, SamplingParams()), torch.device(device))
+                start = timed_start(service.talker, 0, TalkerSetup(persona, SamplingParams()), torch.device(device),
+                                    before_piece=ticks)
                 starts.append({"words": words, "voice": voice, "turn": turn, **start})
-        return starts, service.info.slots_why
+        tick_ms = sorted(ticks.ticks_ms)
+        return starts, service.info.slots_why, {"live": live, "spacing": spacing, "ticks": len(tick_ms),
+                                                "tick_ms_p50": round(tick_ms[len(tick_ms) // 2], 2) if tick_ms else None}
     finally:
         service.close()
 
@@ -113,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default="", help="default: $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-conversations", default="auto", help="the talker's pool, as its config parameter")
+    parser.add_argument("--live", type=int, default=0, help="conversations ticking beside the starts")
+    parser.add_argument("--spacing", type=int, default=None,
+                        help="their ticks before each piece (default: the served scheduler's, loaders.START_PIECE_SPACING_TICKS)")
     parser.add_argument("--name", default="prefill-pieces")
     parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
     report.add_commit_argument(parser)
@@ -125,9 +167,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = report.now()
     checkpoint = loaders.checkpoint_spec(args.checkpoint)
-    starts, pool = run(checkpoint, args.device, args.max_conversations)
+    spacing = loaders.START_PIECE_SPACING_TICKS if args.spacing is None else args.spacing
+    starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing)
     result = report.run_record("bench.prefill_pieces", argv, args.commit, started, device=args.device,
-                               checkpoint=report.checkpoint_label(checkpoint), pool=pool, starts=starts)
+                               checkpoint=report.checkpoint_label(checkpoint), pool=pool, live=live, starts=starts)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
 
@@ -138,7 +181,8 @@ def markdown(result: dict, plot_name: str) -> str:
              "- Each persona started twice, with no persona cache (each start prefills), in the order of the "
              "table. Pieces: wall time of each `StartJob.advance`, to the end of its GPU work (ms); "
              "passes: the prefill's transformer passes (positions each); allocations and retries: the CUDA "
-             "caching allocator's over the start; kernels: Triton kernels compiled over the start.", "",
+             "caching allocator's over the start; kernels: Triton kernels compiled over the start.",
+             *live_line(result.get("live")), "",
              "| prompt tokens | prefill positions | passes | start | pieces (ms) | whole (ms) | longest (ms) "
              "| device allocations | allocator retries | kernels compiled |",
              "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -147,6 +191,14 @@ def markdown(result: dict, plot_name: str) -> str:
                      f"{'first' if s['turn'] == 1 else 'second'} | {', '.join(map(str, s['pieces_ms']))} | {s['ms']} | "
                      f"{s['longest_ms']} | {s['device_allocs']} | {s['alloc_retries']} | {s['kernels_compiled']} |")
     return "\n".join(lines + ["", f"![pieces]({plot_name})", ""])
+
+
+def live_line(live: dict | None) -> list[str]:
+    if not live or not live["live"]:
+        return ["- No live conversations: the pieces ran back to back."]
+    return [f"- Beside {live['live']} live conversations: {live['spacing']} of their ticks before each piece "
+            f"(frames of noise; no code2wav), the piece timed from the tick's end; {live['ticks']} ticks, "
+            f"p50 {live['tick_ms_p50']} ms."]
 
 
 def plot(result: dict, path: Path) -> None:

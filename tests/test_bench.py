@@ -660,6 +660,20 @@ def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint,
     assert "| first |" in next(tmp_path.glob("*-t.md")).read_text()
 
 
+def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpoint, tmp_path):
+    """With --live, conversations tick `--spacing` times before each piece of every start, and
+    the live slots never take the starting one's."""
+    from bench import prefill_pieces
+
+    assert prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--name", "t",
+                                "--live", "3", "--spacing", "2", "--max-conversations", "4"]) == 0
+    result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
+    pieces = sum(len(s["pieces_ms"]) for s in result["starts"])
+    assert result["live"]["live"] == 3 and result["live"]["ticks"] == 2 * pieces
+    assert result["live"]["tick_ms_p50"] > 0
+    assert "Beside 3 live conversations: 2 of their ticks before each piece" in next(tmp_path.glob("*-t.md")).read_text()
+
+
 def test_gc_pause_times_a_full_collection_as_loaded_and_frozen(tiny_checkpoint, tmp_path):
     """bench/gc_pause.py on the CPU: the freeze takes what the talker's process loaded out of the
     collector's walks (it tracks a few objects where it tracked hundreds of thousands), and the

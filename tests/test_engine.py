@@ -815,3 +815,5 @@ def test_a_starts_later_pieces_wait_for_two_ticks_while_live_frames_wait_and_not
         assert len(pieces) == 5 and pieces == list(range(pieces[0], pieces[0] + 5)), stage.log
     finally:
         engine.shutdown()
+    with pytest.raises(ValueError, match="between a start's pieces must be at least 1, got 0"):
+        SlotEngine(CountingStage(1), piece_spacing_ticks=0)

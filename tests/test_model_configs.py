@@ -92,7 +92,8 @@ def test_the_one_stub_repository_serves_the_same_contract(tmp_path):
         assert line in one["speech"] and line in one["ensemble"]
     assert 'model_name: "speech"' in one["ensemble"] and "talker" not in one["ensemble"]
     assert one["ensemble"].split("ensemble_scheduling")[0] == two["ensemble"].split("ensemble_scheduling")[0]
-    for key in ("max_conversations", "kv_dtype", "warm_personas", "send_threads", "decoder_conversations"):
+    for key in ("max_conversations", "kv_dtype", "warm_personas", "send_threads", "start_piece_spacing",
+                "decoder_conversations"):
         assert f'{{ key: "{key}" value:' in one["speech"]
     with pytest.raises(KeyError, match="talker.max_conversations"):  # no talker model in that repository
         model_configs.configs(overrides={"talker.max_conversations": "8"}, one_stub=True)

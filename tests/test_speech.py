@@ -66,9 +66,16 @@ def test_a_code2wav_error_ends_the_request_once_and_drops_the_frames_after_it():
 
 @pytest.fixture(scope="module")
 def speech(tiny_checkpoint):
-    service = SpeechService(str(tiny_checkpoint), max_conversations=2, decoder_conversations=4, warm_personas="")
+    service = SpeechService(str(tiny_checkpoint), max_conversations=2, decoder_conversations=4, warm_personas="",
+                            start_piece_spacing=3)
     yield service
     service.close()
+
+
+def test_the_talkers_starts_are_spaced_as_configured(speech):
+    """`start_piece_spacing` reaches the talker's scheduler; code2wav starts in one piece."""
+    assert speech.talker.engine.scheduler.piece_spacing_ticks == 3
+    assert speech.code2wav.engine.scheduler.piece_spacing_ticks == 1
 
 
 def converse(service, conversation, pcm, arrays, frames_a_request=3):

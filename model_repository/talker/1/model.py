@@ -24,6 +24,7 @@ class TritonPythonModel(ConversationModel):
             params.get("warm_personas", ""), params.get("dtype", "auto"),
             params.get("kv_dtype", "auto"), float(params.get("min_tick_interval_ms", "0")),
             int(params.get("send_threads", "1")), stage_process(params, device),
+            start_piece_spacing=int(params.get("start_piece_spacing", loaders.START_PIECE_SPACING_TICKS)),
             metrics=TritonMetrics(args["model_name"]))
         for line in load_log_lines(args["model_name"], service.info):
             log_info(line)

@@ -27,7 +27,8 @@ class TritonPythonModel(ConversationModel):
             idle_timeout_s=float(params["idle_timeout_s"]), persona_cache_size=int(params["persona_cache_size"]),
             warm_personas=params.get("warm_personas", ""), dtype=params.get("dtype", "auto"),
             kv_dtype=params.get("kv_dtype", "auto"),
-            min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")), stage_process=stage_process(params, device))
+            min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")), stage_process=stage_process(params, device),
+            start_piece_spacing=int(params.get("start_piece_spacing", loaders.START_PIECE_SPACING_TICKS)))
         for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
             for line in load_log_lines(stage, stage_service.info):
                 log_info(line)

@@ -122,6 +122,8 @@ class Scheduler:
         between two pieces of a start while live frames wait (the module docstring; 1: as the
         loop runs, a piece a pass). `clock`: the wall clock, which the queue's items are stamped
         with (for the frame trace)."""
+        if piece_spacing_ticks < 1:
+            raise ValueError(f"the ticks between a start's pieces must be at least 1, got {piece_spacing_ticks}")
         self._table = table
         self.gather = gather
         self.gather_max_s = gather_max_s

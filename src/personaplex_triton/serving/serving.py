@@ -178,7 +178,7 @@ class TalkerService:
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
                  warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
                  min_tick_interval_ms: float = 0.0, send_threads: int = 1, stage_process: bool = False,
-                 metrics: Metrics | None = None):
+                 start_piece_spacing: int = loaders.START_PIECE_SPACING_TICKS, metrics: Metrics | None = None):
         from ..stages.persona import PersonaLibrary
 
         self.metrics = metrics or Metrics()
@@ -194,7 +194,7 @@ class TalkerService:
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
                                  admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
                                  min_tick_interval_s=min_tick_interval_ms / 1000,
-                                 piece_spacing_ticks=loaders.START_PIECE_SPACING_TICKS, send_threads=send_threads)
+                                 piece_spacing_ticks=start_piece_spacing, send_threads=send_threads)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:

@@ -361,19 +361,19 @@ def load_row(n: int, outcomes: list[Outcome], go: float, pool: int | None = None
                                  "error": None if o.error is None else str(o.error)} for o in outcomes],
            "latencies_ms": [[round(ms, 1) for ms in o.measured_latencies_ms] for o in outcomes]}
     if any(o.talk.new for o in served):
-        row["near_starts"] = stats.near_starts([(o.talk.start_s, o.talk.new, o.measured_send_s(go),
-                                                 o.measured_latencies_ms) for o in served])
+        by_conversation = [(o.talk.start_s, o.talk.new, o.measured_send_s(go), o.measured_latencies_ms) for o in served]
+        row["near_starts"] = {**stats.near_starts(by_conversation), "each": stats.each_start(by_conversation)}
     row["real_time"] = summary["real_time"] and not errors
     return row
 
 
-def add_traces(row: dict, trace_dir, served: list[Outcome], go: float, aged: int = 0) -> None:
+def add_traces(row: dict, trace_dir, served: list[Outcome], go: float, aged: int = 0) -> dict[str, list[dict]]:
     """What the stages' frame traces under `trace_dir` say of a level (`row`, load_row of the
     `served` outcomes, started at `go`): where a frame's time goes (trace.breakdown; not with an
     aged start, as it follows a conversation's frames from its first and the aged ones would
     swamp it) and each stage's ticks over the paced part (bench.ticks); and each of its windows
     the same two, of the paced frames sent in it and the ticks that started in it, so that what
-    changed when latency did shows."""
+    changed when latency did shows. Returns the records read (trace.read_answered)."""
     results = [o.result for o in served]
     end = max(r.started_at + r.wall_s for r in results)  # the last answer
     records = trace.read_answered(trace_dir, results)
@@ -384,6 +384,7 @@ def add_traces(row: dict, trace_dir, served: list[Outcome], go: float, aged: int
         start = go + window["start_s"]
         window["ticks"] = ticks.stage_ticks(records, start, min(start + WINDOW_S, end))
         window["trace"] = trace.breakdown(inside, results)
+    return records
 
 
 def add_gpu_telemetry(row: dict, samples: list[dict], go: float) -> None:
@@ -408,10 +409,13 @@ def _add_sampled(row: dict, key: str, figures: Callable, samples: list[dict], go
         window[key] = figures(samples, start, start + WINDOW_S)
 
 
-def add_starts(row: dict, server_log: Path, go: float, end: float) -> None:
+def add_starts(row: dict, server_log: Path, go: float, end: float, talker_records: list[dict] | None = None) -> None:
     """The talker's starts in the level started at `go` and over at `end`, from the server's log
     (serving.starts_in_log): how many, the longest piece of each (what the live conversations'
-    frames waited for it) and each whole start, p50 and max (ms)."""
+    frames waited for it) and each whole start, p50 and max (ms); and each start of more than one
+    piece (a prefill) on its own: when it ended (s from `go`), the whole, its pieces, and, from
+    the talker's frame records where there are any, its ticks and the gaps between them
+    (ticks.during)."""
     logged = starts_in_log(Path(server_log).read_text(errors="replace"), time.localtime(go).tm_year)
     starts = [s for s in logged if s["stage"] == "talker" and go <= s["at"] <= end]
     if starts:
@@ -419,6 +423,10 @@ def add_starts(row: dict, server_log: Path, go: float, end: float) -> None:
         row["starts"] = {"count": len(starts), "longest_piece_ms_p50": stats.percentiles(pieces, (50,))["p50"],
                          "longest_piece_ms_max": max(pieces), "ms_p50": stats.percentiles(wholes, (50,))["p50"],
                          "ms_max": max(wholes)}
+        row["starts"]["each"] = [
+            {"end_s": round(s["at"] - go, 2), "ms": s["ms"], "pieces": s["pieces"], "longest_ms": s["longest_ms"],
+             **(ticks.during(talker_records, s["at"] - s["ms"] / 1000, s["at"]) if talker_records else {})}
+            for s in starts if s["pieces"] > 1]
 
 
 def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go: float, count: int) -> list[dict]:
@@ -513,12 +521,11 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
         add_gpu_telemetry(row, gpu.samples, go)
         add_host_cpu(row, host.samples, go)
         served = [o for o in outcomes if o.error is None]
-        if trace_dir is not None and served:
-            add_traces(row, trace_dir, served, go, aged)
+        records = add_traces(row, trace_dir, served, go, aged) if trace_dir is not None and served else {}
         if gpu_memory is not None:
             row["gpu_memory_gib"] = gpu_memory()
         if server_log is not None:
-            add_starts(row, server_log, go, time.time())
+            add_starts(row, server_log, go, time.time(), records.get("talker"))
         log(f"  p50 {row['p50']} ms, p99 {row['p99']} ms, late {row['late']}/{row['frames']}, failed {row['failed']}, "
             f"first audio {row['first_audio_ms_p50']} ms: {'held' if row['held'] else 'NOT held'} ({row['why']})")
         rows.append(row)

@@ -338,6 +338,7 @@ def _starts_table(rows: list[dict]) -> list[str]:
             lines.append(f"| {r['conversations']} | " + " | ".join(
                 f"{c['late']} ({c['over_160']}) of {c['frames']}" for c in cells) + " |")
         lines.append("")
+        lines += _each_start_table(near)
     started = [r for r in rows if r.get("starts")]
     if not started:
         return lines
@@ -350,6 +351,47 @@ def _starts_table(rows: list[dict]) -> list[str]:
         s = r["starts"]
         lines.append(f"| {r['conversations']} | {s['count']} | {s['longest_piece_ms_p50']} / {s['longest_piece_ms_max']} "
                      f"| {s['ms_p50']} / {s['ms_max']} |")
+    return lines + [""] + _each_prefill_table(started)
+
+
+def _each_start_table(near: list[dict]) -> list[str]:
+    """Each new persona's start on its own (stats.each_start): the others' frames it cost, and
+    the newcomer's first audio."""
+    levels = [r for r in near if r["near_starts"].get("each")]
+    if not levels:
+        return []
+    lines = ["Each new persona's start: the other conversations' frames sent within "
+             f"{levels[0]['near_starts']['within_s']:g} s of it, over 80 ms (over 160 ms) of them, and the "
+             "newcomer's first audio.", "",
+             "| conversations | start (s) | others' frames late (over 160 ms) | newcomer's first audio (ms) |",
+             "| ---: | ---: | ---: | ---: |"]
+    for r in levels:
+        first_audio = {c["start_s"]: c["first_audio_ms"] for c in r["per_conversation"] if c["persona"] == "new"}
+        for e in r["near_starts"]["each"]:
+            lines.append(f"| {r['conversations']} | {e['start_s']:g} | {e['late']} ({e['over_160']}) of {e['frames']} "
+                         f"| {_cell(first_audio.get(e['start_s']))} |")
+    return lines + [""]
+
+
+def _each_prefill_table(started: list[dict]) -> list[str]:
+    """Each start of more than one piece (a prefill) on its own, from the server's log and the
+    talker's frame trace (loadgen.add_starts, ticks.during)."""
+    levels = [r for r in started if r["starts"].get("each")]
+    if not levels:
+        return []
+    lines = ["Each prefill on its own: when it ended (s into the level), the whole and its pieces from the "
+             "log; from the talker's trace, the gaps over 1 ms between its ticks (a piece it waited for, or no "
+             "frame waiting) and "
+             "its ticks from the one before the start to the one after (a piece whose GPU work it did not "
+             "wait for lengthens the next tick), ms.", "",
+             "| conversations | ended (s) | whole (ms) | pieces | longest (ms) | gaps between ticks (ms) | ticks (ms) |",
+             "| ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in levels:
+        for e in r["starts"]["each"]:
+            gaps, ticks = e.get("gaps_ms"), e.get("ticks_ms")
+            lines.append(f"| {r['conversations']} | {e['end_s']:g} | {e['ms']} | {e['pieces']} | {e['longest_ms']} "
+                         f"| {', '.join(map(str, gaps)) if gaps is not None else '-'} "
+                         f"| {', '.join(map(str, ticks)) if ticks is not None else '-'} |")
     return lines + [""]
 
 

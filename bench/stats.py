@@ -148,6 +148,21 @@ def near_starts(conversations: Sequence[tuple[float, bool, Sequence[float], Sequ
                                             "over_160": late_frames(ms, HELD_MAX_MS)} for name, ms in groups.items()}}
 
 
+def each_start(conversations: Sequence[tuple[float, bool, Sequence[float], Sequence[float]]],
+               within_s: float = 1.0) -> list[dict]:
+    """Each new persona's start on its own (`conversations` as near_starts takes them), in order:
+    when it was (s from the level's start), and the other conversations' frames sent within
+    `within_s` of it: how many, late (over 80 ms) and over 160 ms."""
+    found = []
+    for at in sorted(start for start, new, _, _ in conversations if new):
+        ms = np.concatenate([np.asarray(latencies_ms, dtype=np.float64)[np.abs(np.asarray(send_s) - at) <= within_s]
+                             for start, new, send_s, latencies_ms in conversations
+                             if not (new and start == at) and len(send_s)] or [np.zeros(0)])
+        found.append({"start_s": round(at, 2), "frames": int(ms.size), "late": late_frames(ms),
+                      "over_160": late_frames(ms, HELD_MAX_MS)})
+    return found
+
+
 def window_index(send_s: Sequence[float], window_s: float = 10.0) -> np.ndarray:
     """The window of `windows` that each send time falls in (one sent before the level's start: the first)."""
     return np.floor(np.maximum(np.asarray(send_s, dtype=np.float64), 0.0) / window_s).astype(int)

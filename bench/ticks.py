@@ -59,3 +59,19 @@ def tick_figures(records: list[dict], start: float, end: float) -> dict | None:
 def stage_ticks(records: dict[str, list[dict]], start: float, end: float) -> dict:
     """{stage: tick_figures of its `records` (trace.read_answered)} for both stages (None where none ticked)."""
     return {stage: tick_figures(records[stage], start, end) for stage in trace.STAGES}
+
+
+
+def during(records: list[dict], start: float, end: float, gap_ms: float = 1.0) -> dict:
+    """A stage's ticks over a span (wall-clock seconds; a start's, whose pieces ran between
+    them), from the last tick that ended by `start` to the first that started after `end`: each
+    tick's time, and each gap over `gap_ms` between one tick's end and the next's start, in order
+    (ms). A piece the stage waited for shows as a gap (as does a stretch with no frame waiting);
+    one whose GPU work it did not wait for shows in the next tick, which runs long."""
+    t = tick_table([r for r in records if start - 1.0 <= r["tick_start"] <= end + 1.0])
+    first = max(int(np.searchsorted(t["end"], start, side="right")) - 1, 0)
+    last = int(np.searchsorted(t["start"], end, side="right")) + 1
+    begins, ends = t["start"][first:last], t["end"][first:last]
+    gaps = 1000 * (begins[1:] - ends[:-1])
+    return {"ticks_ms": [round(float(ms), 1) for ms in 1000 * (ends - begins)],
+            "gaps_ms": [round(float(ms), 1) for ms in gaps if ms > gap_ms]}

@@ -324,6 +324,11 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert "### Garbage collections in the stubs" in text
     near = row["near_starts"]
     assert near["own"]["frames"] > 0 and sum(near[g]["frames"] for g in ("near", "own", "elsewhere")) == 62
+    [start] = near["each"]  # the one new persona's, on its own: the same frames as "near"
+    assert start["start_s"] == 1.5 and {k: start[k] for k in ("frames", "late", "over_160")} == near["near"]
+    prefills = row["starts"]["each"]  # its prefill, in pieces, with the talker's ticks around it
+    assert prefills and all(p["pieces"] > 1 and p["ticks_ms"] and all(ms > 0 for ms in p["ticks_ms"]) for p in prefills)
+    assert "Each new persona's start" in text and "Each prefill on its own" in text
     assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()
 
 
@@ -582,6 +587,39 @@ def test_near_starts_tells_what_a_new_persona_costs_the_others_apart():
     assert found["own"] == {"frames": sum(t <= 3.0 for t in own_sent), "late": 2, "over_160": 2}
     assert found["elsewhere"] == {"frames": 50 - near_frames + sum(t > 3.0 for t in own_sent), "late": 0, "over_160": 0}
     assert stats.near_starts([(0.0, False, sent, live)])["near"]["frames"] == 0  # no newcomer: nothing near
+
+
+def test_each_start_counts_each_new_personas_cost_on_its_own():
+    """Two new personas, 2 s apart: each start's own window of the others' frames (the
+    newcomers count as others for each other's start), late and over 160 ms apart."""
+    sent = [i * 0.08 for i in range(100)]  # 8 s, from the level's start
+    live = [170.0 if 1.9 <= t <= 2.1 else 100.0 if 4.9 <= t <= 5.1 else 40.0 for t in sent]
+    first = [2.0 + i * 0.08 for i in range(10)]
+    second = [5.0 + i * 0.08 for i in range(10)]
+    found = stats.each_start([(0.0, False, sent, live), (5.0, True, second, [40.0] * 10),
+                              (2.0, True, first, [40.0] * 10)])
+    assert [f["start_s"] for f in found] == [2.0, 5.0]
+    slowed_first, slowed_second = sum(1.9 <= t <= 2.1 for t in sent), sum(4.9 <= t <= 5.1 for t in sent)
+    assert slowed_first and slowed_second
+    assert found[0] == {"start_s": 2.0, "frames": sum(1.0 <= t <= 3.0 for t in sent),
+                        "late": slowed_first, "over_160": slowed_first}
+    assert found[1] == {"start_s": 5.0, "frames": sum(4.0 <= t <= 6.0 for t in sent) + sum(t >= 4.0 for t in first),
+                        "late": slowed_second, "over_160": 0}
+    assert stats.each_start([(0.0, False, sent, live)]) == []
+
+
+def test_ticks_during_a_start_show_its_pieces_as_gaps_and_long_ticks():
+    """From the tick that ended before the span to the one that started after it: each tick's
+    time, and the gaps over 1 ms between them (a piece the stage waited for)."""
+    from bench import ticks
+
+    spans = [(0.000, 0.015), (0.0152, 0.030), (0.055, 0.070), (0.0702, 0.100), (0.1003, 0.115),
+             (0.145, 0.160), (0.1602, 0.175), (0.300, 0.315)]  # pieces at 30-55, 115-145 ms
+    records = [{"tick_start": a, "tick_end": b, "rows": 1, "sent": b} for a, b in spans for _ in range(2)]
+    found = ticks.during(records, 0.031, 0.144)
+    assert found["gaps_ms"] == [25.0, 30.0]
+    assert found["ticks_ms"] == [14.8, 15.0, 29.8, 14.7, 15.0]  # from the tick before to the one after
+    assert ticks.during(records, 0.4, 0.5) == {"ticks_ms": [15.0], "gaps_ms": []}  # none after it
 
 
 def test_crossings_sums_the_segments_outside_the_ticks_and_takes_medians_over_runs(tmp_path):

@@ -712,6 +712,22 @@ def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpo
     assert "Beside 3 live conversations: 2 of their ticks before each piece" in next(tmp_path.glob("*-t.md")).read_text()
 
 
+def test_start_crossing_times_a_start_through_the_talkers_process_both_ways(tiny_checkpoint, tmp_path):
+    """bench/start_crossing.py on the CPU, with a bundle voice added to a copy of the checkpoint:
+    loaded by both processes it crosses as its file's name, a copy made in memory by value."""
+    from bench import start_crossing
+
+    assert start_crossing.main(["--checkpoint", str(tiny_checkpoint), "--rounds", "2", "--bundle-dim", "256",
+                                "--out", str(tmp_path), "--name", "t"]) == 0
+    result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
+    assert result["voice"] == start_crossing.BUNDLE and result["voice_bytes"] > 198 * 256 * 4
+    by_file, by_value = result["kinds"]
+    assert by_file["bytes"] < 1000 and by_value["bytes"] > result["voice_bytes"]
+    assert 0 < by_file["ms_p50"] <= by_file["ms_max"] and 0 < by_value["ms_p50"] <= by_value["ms_max"]
+    assert "| as served: by its file |" in next(tmp_path.glob("*-t.md")).read_text()
+    assert not (tiny_checkpoint / "voices" / start_crossing.BUNDLE).exists()  # the copy's only
+
+
 def test_gc_pause_times_a_full_collection_as_loaded_and_frozen(tiny_checkpoint, tmp_path):
     """bench/gc_pause.py on the CPU: the freeze takes what the talker's process loaded out of the
     collector's walks (it tracks a few objects where it tracked hundreds of thousands), and the

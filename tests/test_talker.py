@@ -658,3 +658,26 @@ def test_a_prefill_runs_in_passes_of_prefill_chunk_and_the_rest_in_one(talker):
     assert pass_lengths(167) == [64, 64, 39]
     assert talker.generator.prefill.lengths(230) == [64, 64, 64, 38]
     assert len(talker.generator.prefill) == 0  # no CUDA here: no graph
+
+
+def test_a_loaded_voice_crosses_to_another_process_by_its_file(files):
+    """A persona's voice loaded from the checkpoint pickles as its file (a start crossing to the
+    talker's process, which loaded the same voices): here it comes back as the same object, in a
+    process that loaded nothing it is loaded from the file, equal; a voice made in memory
+    crosses by value."""
+    import pickle
+    import subprocess
+    import sys
+
+    voice = load_voice(files.voices / "NATM0.wav")
+    data = pickle.dumps(Persona(voice, (5, 6)), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(data) < 1000 < voice.frames.nbytes
+    assert pickle.loads(data).voice is voice
+    child = subprocess.run([sys.executable, "-c", "import pickle, sys; p = pickle.load(sys.stdin.buffer); "
+                            "sys.stdout.buffer.write(pickle.dumps((p.voice.name, p.voice.frames, p.text_tokens)))"],
+                           input=data, capture_output=True, check=True)
+    name, frames, tokens = pickle.loads(child.stdout)
+    assert name == "NATM0.wav" and tokens == (5, 6) and np.array_equal(frames, voice.frames)
+    made = VoicePrompt("short", frames=voice.frames[:4])
+    again = pickle.loads(pickle.dumps(made))
+    assert again is not made and again.source is None and np.array_equal(again.frames, made.frames)

@@ -164,13 +164,16 @@ class SlotStates:
 
     def snapshot(self, slot: int) -> list[dict]:
         """A copy of `slot`'s rows of every module (its KV cache up to its length)."""
+        states = list(self.states())
+        caches = [kv for kv in (getattr(state, "kv_cache", None) for state in states) if kv is not None]
+        # The layers' lengths read back at once: one wait for the GPU, not one a layer.
+        ends = iter(torch.stack([kv.end_offset[slot] for kv in caches]).tolist() if caches else [])
         rows = []
-        for state in self.states():
+        for state in states:
             row = {name: value[slot].clone() for name, value in _batch_tensors(state, self.num_slots)}
             kv = getattr(state, "kv_cache", None)
             if kv is not None:
-                length = min(int(kv.end_offset[slot]), kv.capacity)
-                row["kv"] = kv.cache[:, slot, :, :length].clone()
+                row["kv"] = kv.cache[:, slot, :, :min(int(next(ends)), kv.capacity)].clone()
                 row["kv_end_offset"] = kv.end_offset[slot].clone()
             rows.append(row)
         return rows

@@ -420,6 +420,21 @@ def test_batched_prefill_equals_step_by_step(talker, wav_voice, user_frames, voi
     talker.stop(1)
 
 
+def test_the_largest_top_k_is_kept_on_the_host_as_the_tensors_hold_it():
+    """The step's graphs are keyed by the largest top-k's bucket; the host keeps it (a start
+    need not wait for the GPU to learn it), equal to the tensors' largest after any settings,
+    a slot's old one counting until it is set again; `at` carries the tensors only."""
+    from personaplex_triton.lm.sampling import SlotSampling
+
+    sampling = SlotSampling(4, "cpu")
+    for slot, top_k, top_k_text in ((2, 250, 25), (1, 40, 100), (2, 5, 3)):
+        sampling.set(slot, SamplingParams(top_k=top_k, top_k_text=top_k_text))
+        assert sampling.largest_top_k() == (int(sampling.top_k.max()), int(sampling.top_k_text.max()))
+    assert sampling.largest_top_k() == (40, 100)
+    carried = sampling.at(torch.tensor([1, 2]))
+    assert carried.top_k.tolist() == [40, 5] and not hasattr(carried, "_host_top_k")
+
+
 def test_sampling_noise_is_the_per_channel_hash():
     """The noise of all 17 channels of a step, drawn at once, holds the draws each sampling call
     made for itself before (recorded from that code: (seed, step, channel, column) hashes), and

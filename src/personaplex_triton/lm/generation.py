@@ -109,8 +109,9 @@ class SlotGenerator:
         for slot, slot_params in params.items():
             self.sampling.set(slot, slot_params)
         # Graphs are keyed by fixed top-k buckets, never by a client's value.
-        self.top_k_bound = bucket_for(max(int(self.sampling.top_k.max()), 1), loaders.TOP_K_BUCKETS)
-        self.top_k_text_bound = bucket_for(max(int(self.sampling.top_k_text.max()), 1), loaders.TOP_K_TEXT_BUCKETS)
+        top_k, top_k_text = self.sampling.largest_top_k()
+        self.top_k_bound = bucket_for(max(top_k, 1), loaders.TOP_K_BUCKETS)
+        self.top_k_text_bound = bucket_for(max(top_k_text, 1), loaders.TOP_K_TEXT_BUCKETS)
 
     def reset_model(self, slots: list[int]) -> None:
         """The model's streaming state of `slots` back to a fresh conversation's."""

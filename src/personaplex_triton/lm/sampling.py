@@ -81,6 +81,13 @@ class SlotSampling:
         self.temperature_text = torch.ones(num_slots, device=device)
         self.top_k = torch.ones(num_slots, dtype=torch.long, device=device)
         self.top_k_text = torch.ones(num_slots, dtype=torch.long, device=device)
+        # The same two on the host: the step's graphs are keyed by the largest's bucket, and
+        # reading it back from the GPU made every start wait for the GPU.
+        self._host_top_k, self._host_top_k_text = [1] * num_slots, [1] * num_slots
+
+    def largest_top_k(self) -> tuple[int, int]:
+        """The largest top-k of any slot (audio, text), as the tensors hold them."""
+        return max(self._host_top_k), max(self._host_top_k_text)
 
     def set(self, slot: int, params: SamplingParams) -> None:
         self.seed[slot] = params.seed & ((1 << 63) - 1)
@@ -89,12 +96,14 @@ class SlotSampling:
         self.temperature_text[slot] = params.temperature_text
         self.top_k[slot] = params.top_k
         self.top_k_text[slot] = params.top_k_text
+        self._host_top_k[slot], self._host_top_k_text[slot] = params.top_k, params.top_k_text
 
     def at(self, rows: torch.Tensor) -> "SlotSampling":
         """The settings of slots `rows` [b], row by row (copies)."""
         carried = object.__new__(SlotSampling)
         for name, value in vars(self).items():
-            setattr(carried, name, value[rows])
+            if isinstance(value, torch.Tensor):
+                setattr(carried, name, value[rows])
         return carried
 
 

@@ -79,9 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30.0, help="of ticks in each phase")
-    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
-    parser.add_argument("--name", default="gc-pause")
-    report.add_commit_argument(parser)
+    report.add_output_arguments(parser, "gc-pause")
     return parser.parse_args(argv)
 
 

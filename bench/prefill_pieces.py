@@ -155,9 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--live", type=int, default=0, help="conversations ticking beside the starts")
     parser.add_argument("--spacing", type=int, default=None,
                         help="their ticks before each piece (default: the served scheduler's, loaders.START_PIECE_SPACING_TICKS)")
-    parser.add_argument("--name", default="prefill-pieces")
-    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
-    report.add_commit_argument(parser)
+    report.add_output_arguments(parser, "prefill-pieces")
     return parser.parse_args(argv)
 
 

@@ -115,6 +115,13 @@ def checkpoint_label(spec: str) -> str:
     return f"{spec} (model.safetensors sha256 {file_sha256(weights)[:12]})"
 
 
+def add_output_arguments(parser, name: str) -> None:
+    """A benchmark's `--out` (the results folder), `--name` (the files' stem after the date) and `--commit`."""
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument("--name", default=name)
+    add_commit_argument(parser)
+
+
 def add_commit_argument(parser) -> None:
     parser.add_argument("--commit", help="what the tree is (default: git's HEAD here; a copy whose history is stale, "
                                          "as the GPU host's is, needs it said)")

@@ -87,19 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default="", help="default: $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bundle-dim", type=int, default=0, help="a voice bundle for an LM this wide (0: the checkpoint's first voice)")
-    parser.add_argument("--name", default="start-crossing")
-    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
-    report.add_commit_argument(parser)
+    report.add_output_arguments(parser, "start-crossing")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core.loaders import checkpoint_spec
 
-    args = parse_args(argv)
-    started = report.now()
-    checkpoint = loaders.checkpoint_spec(args.checkpoint)
-    with tempfile.TemporaryDirectory() as folder:
+    args, started = parse_args(argv), report.now()
+    checkpoint = checkpoint_spec(args.checkpoint)
+    with tempfile.TemporaryDirectory() as folder:  # the copy with the wide bundle, if one is asked for
         served = with_bundle(checkpoint, args.bundle_dim, Path(folder)) if args.bundle_dim else checkpoint
         found = run(served, args.rounds, BUNDLE if args.bundle_dim else None)
     result = report.run_record("bench.start_crossing", argv, args.commit, started, device="cpu",

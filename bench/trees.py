@@ -49,6 +49,4 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """What every two-tree benchmark takes: the checkpoint, the --base tree, where results go."""
     parser.add_argument("--checkpoint", default=str(report.REPO_ROOT / "checkpoints" / "tiny"))
     parser.add_argument("--base", type=Path, help="another source tree to compare (its src/ is used)")
-    parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
-    parser.add_argument("--name", default=name)
-    report.add_commit_argument(parser)
+    report.add_output_arguments(parser, name)

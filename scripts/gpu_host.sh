@@ -31,9 +31,9 @@
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
-# On the lent machine packages and scipy travel together with this checkout in one `device`
-# call (under its 64 MiB), and triton (with tools, where a run profiles) in the next, at once, which
-# installs them and runs what it came for (a warm machine keeps build/, checkpoints/ and a started
+# On the lent machine each part travels with this checkout in a `device` call of its own (a call
+# carries at most 64 MiB, and the checkout is 27): scipy, then packages, then triton (with tools,
+# where a run profiles), one call after another at once, each of which installs its part and runs what it came for (a warm machine keeps build/, checkpoints/ and a started
 # server between calls that follow one another). docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ CHECKPOINT=${PERSONAPLEX_CHECKPOINT:-$ROOT/checkpoints/7b}
 PYV=3.12
 
 # What the server needs beyond the host's own packages, pinned, in parts that travel apart:
-# triton and packages fit one device call beside the checkout, scipy (built for numpy 1.26) the next.
+# each part travels in a device call of its own beside the checkout; scipy is built for numpy 1.26.
 TRITON=(nvidia-pytriton==0.7.0)
 PACKAGES=(numpy==1.26.4 moshi==0.2.13 pyloudnorm==0.2.0 tritonclient==2.51.0 protobuf==4.25.9
           python-rapidjson==1.25)

@@ -77,3 +77,18 @@ def test_force_writes_the_user_codes_where_a_step_at_each_position_would_have():
         stepped.read(torch.tensor([slot]), torch.ones(1, dtype=torch.bool), tokens, where)
     assert torch.equal(forced.cache, stepped.cache) and torch.equal(forced.provided, stepped.provided)
     assert int(forced.provided.sum()) == len(slots) * 8
+
+
+def test_a_fresh_row_is_what_a_started_slot_reads_back():
+    """`fresh_row` builds on the host the row `start` leaves a slot with (the prefill's grid,
+    without reading it back from the device), whatever the slot held before."""
+    gen = torch.Generator().manual_seed(3)
+    grid = TokenGrid(3, DELAYS, torch.arange(100, 100 + K), ungenerated=-2, device="cpu")
+    grid.cache[:] = torch.randint(0, 50, grid.cache.shape, generator=gen)
+    grid.provided[:] = torch.rand(grid.provided.shape, generator=gen) < 0.5
+    grid.offset[:] = 7
+    grid.start(1)
+    fresh, started = grid.fresh_row(), grid.row(1, "cpu")
+    for name in ("cache", "provided", "offset", "delays", "initial"):
+        assert torch.equal(getattr(fresh, name), getattr(started, name)), name
+    assert not torch.equal(fresh.cache[0], grid.cache[0])  # slot 0 was not started

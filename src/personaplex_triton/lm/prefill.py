@@ -39,7 +39,7 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
     not step), and each pass sets its execution mask anew."""
     if not len(tokens):
         return torch.zeros(0, 1, generator.lm.dim, device=generator.device)
-    grid = generator.grid.row(slot, "cpu")
+    grid = generator.grid.fresh_row()  # the slot is freshly started: nothing to read back from the GPU
     previous, start = [], 0
     for end in sorted({*(step + 1 for step in restores), len(tokens)}):
         before, forced = grid.play_forced(tokens[start:end])

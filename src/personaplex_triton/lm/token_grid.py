@@ -31,6 +31,7 @@ class TokenGrid:
         self.ring = self.max_delay + 3
         self.num_codebooks = K = len(delays)
         self.initial = initial.to(self.device)  # [17]
+        self._host_initial = initial.cpu()  # a fresh row is built on the host without waiting for the GPU
         self.ungenerated = ungenerated
         self.cache = torch.full((num_slots, K, self.ring), ungenerated, dtype=torch.long, device=self.device)
         self.provided = torch.zeros((num_slots, K, self.ring), dtype=torch.bool, device=self.device)
@@ -49,6 +50,13 @@ class TokenGrid:
         """A grid of one row on `device`: a copy of `slot`'s (`put_row` writes it back)."""
         grid = TokenGrid(1, self.delays.tolist(), self.initial, self.ungenerated, device)
         grid.cache[0], grid.provided[0], grid.offset[0] = self.cache[slot], self.provided[slot], self.offset[slot]
+        return grid
+
+    def fresh_row(self) -> "TokenGrid":
+        """A grid of one row on the CPU, as `start` leaves a slot: what `row(slot, "cpu")` gives
+        of a slot just started, without reading it back from the device."""
+        grid = TokenGrid(1, self._host_delays.tolist(), self._host_initial, self.ungenerated, "cpu")
+        grid.start(0)
         return grid
 
     def put_row(self, slots: int | torch.Tensor, grid: "TokenGrid") -> None:

@@ -14,9 +14,12 @@ With `--live N`, N conversations of the default voice tick beside the start, `--
 before each piece as the engine's scheduler spaces them (frames of noise, no code2wav): a piece
 then runs right after a tick, as served, with whatever the tick left queued on the GPU (its
 Mimi encode), and the table tells the pieces' cost beside live ticks from the served one's.
+With `--stage-process` the talker runs in a process of its own, as served on a GPU, and each
+piece is timed as the engine's loop sees it (its round trip): beside `--live`, that tells the
+process's own cost from code2wav's (served, beside it on the GPU).
 
     python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --name prefill-pieces-h200
-    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 --name prefill-pieces-live
+    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 [--stage-process] --name prefill-pieces-live
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -67,12 +70,28 @@ def allocator(device: torch.device) -> tuple[int, int]:
 
 def timed_start(talker, slot: int, setup, device: torch.device, before_piece=lambda: None) -> dict:
     """Start `setup` in `slot` in pieces, each timed to the end of its GPU work;
-    `before_piece()` runs before each (the live conversations' ticks), unsynchronised."""
+    `before_piece()` runs before each (the live conversations' ticks), unsynchronised. A talker
+    in a process of its own (`StageProcess`) times each piece's round trip, as the engine's loop
+    sees it: its GPU, allocator and kernels are that process's, not read here."""
+    from personaplex_triton.engine.stage_process import StageProcess
     from personaplex_triton.stages.talker import prefill_program
 
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    if isinstance(talker, StageProcess):
+        return {**timed_pieces(talker, slot, setup, lambda: None, before_piece), "positions": None, "passes": None,
+                "device_allocs": None, "alloc_retries": None, "kernels_compiled": None}
     allocs, retries = allocator(device)
     kernels = kernels_compiled()
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    found = timed_pieces(talker, slot, setup, sync, before_piece)
+    positions = sum(step.runs_model for step in prefill_program(setup.persona, talker.lm.initial_token_id))
+    allocs_after, retries_after = allocator(device)
+    return {**found, "positions": positions, "passes": talker.generator.prefill.lengths(positions),
+            "device_allocs": allocs_after - allocs, "alloc_retries": retries_after - retries,
+            "kernels_compiled": kernels_compiled() - kernels}
+
+
+def timed_pieces(talker, slot: int, setup, sync, before_piece) -> dict:
+    """`setup`'s start in `slot`, each piece timed to `sync()` after it; the slot stopped after."""
     job, pieces = talker.begin_starts({slot: setup}), []
     sync()
     while True:
@@ -86,13 +105,8 @@ def timed_start(talker, slot: int, setup, device: torch.device, before_piece=lam
     if job.failed:
         raise RuntimeError(f"the start failed: {job.failed}")
     talker.stop(slot)
-    positions = sum(step.runs_model for step in prefill_program(setup.persona, talker.lm.initial_token_id))
-    allocs_after, retries_after = allocator(device)
-    return {"prompt_tokens": len(setup.persona.text_tokens), "positions": positions,
-            "passes": talker.generator.prefill.lengths(positions),
-            "pieces_ms": pieces, "ms": round(sum(pieces), 1), "longest_ms": max(pieces),
-            "device_allocs": allocs_after - allocs, "alloc_retries": retries_after - retries,
-            "kernels_compiled": kernels_compiled() - kernels}
+    return {"prompt_tokens": len(setup.persona.text_tokens), "pieces_ms": pieces, "ms": round(sum(pieces), 1),
+            "longest_ms": max(pieces)}
 
 
 class LiveTicks:
@@ -121,7 +135,7 @@ class LiveTicks:
 
 
 def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
-        spacing: int = 1) -> tuple[list[dict], str, dict]:
+        spacing: int = 1, stage_process: bool = False) -> tuple[list[dict], str, dict]:
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.serving.serving import TalkerService
     from personaplex_triton.stages.talker import TalkerSetup
@@ -129,7 +143,7 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
     # No persona cache: every start prefills, the same persona's second start too (the voices
     # are still played once at load, as served, which warms what an empty role prompt runs).
     service = TalkerService(checkpoint, max_conversations, device=device, persona_cache_size=0,
-                            warm_personas="all")
+                            warm_personas="all", stage_process=stage_process)
     try:
         voice = service.personas.default_voice
         ticks = LiveTicks(service.talker, service.personas.persona(voice, ""), live, spacing)
@@ -153,6 +167,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-conversations", default="auto", help="the talker's pool, as its config parameter")
     parser.add_argument("--live", type=int, default=0, help="conversations ticking beside the starts")
+    parser.add_argument("--stage-process", action="store_true",
+                        help="the talker in a process of its own, as served on a GPU: each piece's round trip")
     parser.add_argument("--spacing", type=int, default=None,
                         help="their ticks before each piece (default: the served scheduler's, loaders.START_PIECE_SPACING_TICKS)")
     report.add_output_arguments(parser, "prefill-pieces")
@@ -166,9 +182,10 @@ def main(argv=None) -> int:
     started = report.now()
     checkpoint = loaders.checkpoint_spec(args.checkpoint)
     spacing = loaders.START_PIECE_SPACING_TICKS if args.spacing is None else args.spacing
-    starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing)
+    starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing, args.stage_process)
     result = report.run_record("bench.prefill_pieces", argv, args.commit, started, device=args.device,
-                               checkpoint=report.checkpoint_label(checkpoint), pool=pool, live=live, starts=starts)
+                               checkpoint=report.checkpoint_label(checkpoint), pool=pool, live=live,
+                               stage_process=args.stage_process, starts=starts)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
 
@@ -180,14 +197,19 @@ def markdown(result: dict, plot_name: str) -> str:
              "table. Pieces: wall time of each `StartJob.advance`, to the end of its GPU work (ms); "
              "passes: the prefill's transformer passes (positions each); allocations and retries: the CUDA "
              "caching allocator's over the start; kernels: Triton kernels compiled over the start.",
-             *live_line(result.get("live")), "",
+             *live_line(result.get("live")),
+             *(["- The talker in a process of its own (`--stage-process`, as served on a GPU): each piece is "
+                "its round trip as the engine's loop sees it, its GPU work not waited for; the columns that "
+                "process alone knows are '-'."] if result.get("stage_process") else []), "",
              "| prompt tokens | prefill positions | passes | start | pieces (ms) | whole (ms) | longest (ms) "
              "| device allocations | allocator retries | kernels compiled |",
              "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for s in result["starts"]:
-        lines.append(f"| {s['prompt_tokens']} | {s['positions']} | {', '.join(map(str, s['passes']))} | "
+        passes = "-" if s["passes"] is None else ", ".join(map(str, s["passes"]))
+        lines.append(f"| {s['prompt_tokens']} | {report.cell(s['positions'])} | {passes} | "
                      f"{'first' if s['turn'] == 1 else 'second'} | {', '.join(map(str, s['pieces_ms']))} | {s['ms']} | "
-                     f"{s['longest_ms']} | {s['device_allocs']} | {s['alloc_retries']} | {s['kernels_compiled']} |")
+                     f"{s['longest_ms']} | {report.cell(s['device_allocs'])} | {report.cell(s['alloc_retries'])} | "
+                     f"{report.cell(s['kernels_compiled'])} |")
     return "\n".join(lines + ["", f"![pieces]({plot_name})", ""])
 
 

@@ -178,7 +178,8 @@ def save(result: dict, out: Path, stem: str, markdown, plot) -> None:
 # ----------------------------------------------------------------------------- Markdown
 
 
-def _cell(value) -> str:
+def cell(value) -> str:
+    """A table's cell: '-' for a figure not measured."""
     return "-" if value is None else str(value)
 
 
@@ -218,8 +219,8 @@ def markdown(result: dict) -> str:
                   "| first response p50 (ms) | frames/s |",
                   "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in result["perf_analyzer"]:
-            lines.append(f"| {r['concurrency']} | {r['sequences']} | {r['frames']} | {_cell(r['p50'])} | "
-                         f"{_cell(r['p95'])} | {_cell(r['p99'])} | {_cell(r['first_response_ms_p50'])} | "
+            lines.append(f"| {r['concurrency']} | {r['sequences']} | {r['frames']} | {cell(r['p50'])} | "
+                         f"{cell(r['p95'])} | {cell(r['p99'])} | {cell(r['first_response_ms_p50'])} | "
                          f"{r['frames_per_s']} |")
         lines.append("")
     if "overhead" in result:
@@ -270,13 +271,13 @@ def _load_section(result: dict) -> list[str]:
               "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         late = f"{r['late']} ({r['late_fraction']:.2%})" if r["frames"] else "-"
-        new = (f"{r['new_persona_starts']}, {_cell(r['first_audio_ms_new_persona_p50'])} / "
-               f"{_cell(r['first_audio_ms_new_persona_max'])}") if r["new_persona_starts"] else "-"
-        lines.append(f"| {r['conversations']} | {r['frames']} | {_cell(r['p50'])} | {_cell(r['p95'])} | "
-                     f"{_cell(r['p99'])} | {_cell(r['max'])} | {late} | {r['over_160']} | "
-                     f"{r['failed']} ({r['refused_at_capacity']}) | {_cell(r['first_audio_ms_p50'])} / "
-                     f"{_cell(r['first_audio_ms_max'])} | {new} | {r['frames_per_s']} | "
-                     f"{_cell(r.get('gpu_memory_gib'))} | {'**held**' if r['held'] else 'not held'}: {r['why']} |")
+        new = (f"{r['new_persona_starts']}, {cell(r['first_audio_ms_new_persona_p50'])} / "
+               f"{cell(r['first_audio_ms_new_persona_max'])}") if r["new_persona_starts"] else "-"
+        lines.append(f"| {r['conversations']} | {r['frames']} | {cell(r['p50'])} | {cell(r['p95'])} | "
+                     f"{cell(r['p99'])} | {cell(r['max'])} | {late} | {r['over_160']} | "
+                     f"{r['failed']} ({r['refused_at_capacity']}) | {cell(r['first_audio_ms_p50'])} / "
+                     f"{cell(r['first_audio_ms_max'])} | {new} | {r['frames_per_s']} | "
+                     f"{cell(r.get('gpu_memory_gib'))} | {'**held**' if r['held'] else 'not held'}: {r['why']} |")
     best = result["largest_held"]
     lines += ["", "Largest number of conversations held: " + (f"**{best}**." if best else "**none** of those tested.")
               + ("" if not aged else " (aged context)"), ""]
@@ -323,8 +324,8 @@ def _client_table(rows: list[dict]) -> list[str]:
              "receives wait for it, and the wait counts as the server's latency.", "",
              "| conversations | client processes | CPU a frame (ms) | busiest process (cores) |",
              "| ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['conversations']} | {r['client']['processes']} | {_cell(r['client']['cpu_ms_per_frame'])} | "
-              f"{_cell(r['client']['busiest_core_share'])} |" for r in measured]
+    lines += [f"| {r['conversations']} | {r['client']['processes']} | {cell(r['client']['cpu_ms_per_frame'])} | "
+              f"{cell(r['client']['busiest_core_share'])} |" for r in measured]
     return lines + [""]
 
 
@@ -376,7 +377,7 @@ def _each_start_table(near: list[dict]) -> list[str]:
         first_audio = {c["start_s"]: c["first_audio_ms"] for c in r["per_conversation"] if c["persona"] == "new"}
         for e in r["near_starts"]["each"]:
             lines.append(f"| {r['conversations']} | {e['start_s']:g} | {e['late']} ({e['over_160']}) of {e['frames']} "
-                         f"| {_cell(first_audio.get(e['start_s']))} |")
+                         f"| {cell(first_audio.get(e['start_s']))} |")
     return lines + [""]
 
 
@@ -450,7 +451,7 @@ def _windows_trace_table(rows: list[dict]) -> list[str]:
                        if t else "- | - | - | -")
             segments = [w["trace"]["segments_ms"][name] for name in WINDOW_SEGMENTS]
             lines.append(f"{_window_start(r, w)} | {ticking} | "
-                         + " | ".join(_cell(c["p50"] if c else None) for c in segments) + " |")
+                         + " | ".join(cell(c["p50"] if c else None) for c in segments) + " |")
     return lines + [""]
 
 
@@ -476,8 +477,8 @@ def _windows_gpu_and_host_table(rows: list[dict]) -> list[str]:
             g, h = w.get("gpu"), w.get("host")
             if not g and not h:
                 continue
-            gpu = (f"{_cell(g['sm_mhz'])} ({_cell(g['sm_mhz_min'])}) | {_cell(g['mem_mhz'])} | {_cell(g['power_w'])} | "
-                   f"{_cell(g['gpu_c'])} / {_cell(g['memory_c'])} | {_cell(g['utilization'])} | {g['reasons'] or '-'}"
+            gpu = (f"{cell(g['sm_mhz'])} ({cell(g['sm_mhz_min'])}) | {cell(g['mem_mhz'])} | {cell(g['power_w'])} | "
+                   f"{cell(g['gpu_c'])} / {cell(g['memory_c'])} | {cell(g['utilization'])} | {g['reasons'] or '-'}"
                    if g else "- | - | - | - | - | -")
             host = f"{h['busy_pct']} ({h['busy_pct_max']}) | {h['steal_pct']} ({h['steal_pct_max']})" if h else "- | -"
             lines.append(f"{_window_start(r, w)} | {gpu} | {host} |")

@@ -698,18 +698,25 @@ def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint,
     assert "| first |" in next(tmp_path.glob("*-t.md")).read_text()
 
 
-def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("stage_process", [False, True])
+def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpoint, tmp_path, stage_process):
     """With --live, conversations tick `--spacing` times before each piece of every start, and
-    the live slots never take the starting one's."""
+    the live slots never take the starting one's; with --stage-process the talker is a process
+    of its own, as served on a GPU, and what only it knows is not reported."""
     from bench import prefill_pieces
 
     assert prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--name", "t",
-                                "--live", "3", "--spacing", "2", "--max-conversations", "4"]) == 0
+                                "--live", "3", "--spacing", "2", "--max-conversations", "4"]
+                               + (["--stage-process"] if stage_process else [])) == 0
     result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
     pieces = sum(len(s["pieces_ms"]) for s in result["starts"])
     assert result["live"]["live"] == 3 and result["live"]["ticks"] == 2 * pieces
-    assert result["live"]["tick_ms_p50"] > 0
-    assert "Beside 3 live conversations: 2 of their ticks before each piece" in next(tmp_path.glob("*-t.md")).read_text()
+    assert result["live"]["tick_ms_p50"] > 0 and result["stage_process"] == stage_process
+    assert all(len(s["pieces_ms"]) >= 2 and s["longest_ms"] > 0 for s in result["starts"])
+    assert all((s["passes"] is None) == stage_process for s in result["starts"])
+    text = next(tmp_path.glob("*-t.md")).read_text()
+    assert "Beside 3 live conversations: 2 of their ticks before each piece" in text
+    assert ("a process of its own (`--stage-process`" in text) == stage_process
 
 
 def test_start_crossing_times_a_start_through_the_talkers_process_both_ways(tiny_checkpoint, tmp_path):

@@ -37,7 +37,6 @@ import numpy as np
 
 from bench import report
 
-RESULTS = Path(__file__).parent / "results"
 ORDERS = ("join order", "oldest first")
 
 
@@ -146,9 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--code2wav-tick-ms", type=float, default=3.5)
     parser.add_argument("--code2wav-send-ms", type=float, default=0.45)
     parser.add_argument("--other-ms", type=float, default=4.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--name", default="model")
-    report.add_commit_argument(parser)
+    report.add_output_arguments(parser, "model")
     args = parser.parse_args(argv)
     model = {key: getattr(args, key) for key in ("conversations", "seconds", "tick_fixed_ms", "tick_per_frame_ms",
                                                  "send_ms", "code2wav_tick_ms", "code2wav_send_ms", "other_ms")}

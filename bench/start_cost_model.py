@@ -28,7 +28,6 @@ import numpy as np
 
 from bench import report
 
-RESULTS = Path(__file__).parent / "results"
 FRAME_MS = 80.0
 
 
@@ -132,9 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pieces", type=int, default=3)
     parser.add_argument("--piece-ms", type=float, nargs="+", default=[31.0, 18.0, 13.0])
     parser.add_argument("--spacing", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--name", default="h100-n55")
-    report.add_commit_argument(parser)
+    report.add_output_arguments(parser, "h100-n55")
     args = parser.parse_args(argv)
     model = {key: getattr(args, key) for key in ("conversations", "seconds", "tick_fixed_ms", "tick_per_frame_ms",
                                                  "after_ms", "start_every_s", "pieces", "spacing")}

@@ -92,6 +92,15 @@ def run(engine, key, items, close=False):
     return c
 
 
+def live_conversation(engine, frames: int) -> Collector:
+    """Conversation 1 opened, its first tick run, then `frames` frames sent to tick on (not waited for)."""
+    engine.open(1, None)
+    run(engine, 1, ["warm"])
+    live = Collector()
+    engine.submit(1, list(range(frames)), live.on_output, live.on_done)
+    return live
+
+
 def test_items_answered_once_each_in_order(engine):
     engine.open(1, None)
     c = run(engine, 1, list(range(5)))
@@ -662,10 +671,7 @@ def test_a_start_in_pieces_lets_the_live_conversations_tick_between_them():
     stage = PiecewiseStage(2)
     engine = SlotEngine(stage)
     try:
-        engine.open(1, None)
-        run(engine, 1, ["warm"])
-        live, newcomer = Collector(), Collector()
-        engine.submit(1, list(range(40)), live.on_output, live.on_done)
+        live, newcomer = live_conversation(engine, 40), Collector()
         engine.open(2, None)
         engine.submit(2, list(range(5)), newcomer.on_output, newcomer.on_done)
         live.wait(), newcomer.wait()
@@ -721,10 +727,7 @@ def test_starts_under_way_take_turns_a_piece_a_tick():
     stage = PiecewiseStage(3, pieces=6, piece_s=0.03)
     engine = SlotEngine(stage)
     try:
-        engine.open(1, None)
-        run(engine, 1, ["warm"])
-        live = Collector()
-        engine.submit(1, list(range(300)), live.on_output, live.on_done)
+        live = live_conversation(engine, 300)
         engine.open(2, None)
         assert wait_until(lambda: ("piece", [1]) in stage.log)
         engine.open(3, None)
@@ -794,10 +797,7 @@ def test_a_starts_later_pieces_wait_for_two_ticks_while_live_frames_wait_and_not
     stage = PiecewiseStage(2, pieces=5, piece_s=0.005)
     engine = SlotEngine(stage, piece_spacing_ticks=2)
     try:
-        engine.open(1, None)
-        run(engine, 1, ["warm"])
-        live = Collector()
-        engine.submit(1, list(range(60)), live.on_output, live.on_done)
+        live = live_conversation(engine, 60)
         engine.open(2, None)
         assert run(engine, 2, ["x"]).outputs == [("x", 1)]
         live.wait()

@@ -19,7 +19,8 @@ piece is timed as the engine's loop sees it (its round trip): beside `--live`, t
 process's own cost from code2wav's (served, beside it on the GPU).
 
     python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --name prefill-pieces-h200
-    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 [--stage-process] --name prefill-pieces-live
+    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 --kv-dtype float8_e4m3fn \
+        [--stage-process] --name prefill-pieces-live
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -135,7 +136,7 @@ class LiveTicks:
 
 
 def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
-        spacing: int = 1, stage_process: bool = False) -> tuple[list[dict], str, dict]:
+        spacing: int = 1, stage_process: bool = False, kv_dtype: str = "auto") -> tuple[list[dict], str, dict]:
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.serving.serving import TalkerService
     from personaplex_triton.stages.talker import TalkerSetup
@@ -143,7 +144,7 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
     # No persona cache: every start prefills, the same persona's second start too (the voices
     # are still played once at load, as served, which warms what an empty role prompt runs).
     service = TalkerService(checkpoint, max_conversations, device=device, persona_cache_size=0,
-                            warm_personas="all", stage_process=stage_process)
+                            warm_personas="all", stage_process=stage_process, kv_dtype=kv_dtype)
     try:
         voice = service.personas.default_voice
         ticks = LiveTicks(service.talker, service.personas.persona(voice, ""), live, spacing)
@@ -166,6 +167,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", default="", help="default: $PERSONAPLEX_CHECKPOINT, else checkpoints/tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-conversations", default="auto", help="the talker's pool, as its config parameter")
+    parser.add_argument("--kv-dtype", default="auto",
+                        help="the talker's KV cache, as its config parameter (float8_e4m3fn: an H100 pools 55)")
     parser.add_argument("--live", type=int, default=0, help="conversations ticking beside the starts")
     parser.add_argument("--stage-process", action="store_true",
                         help="the talker in a process of its own, as served on a GPU: each piece's round trip")
@@ -182,9 +185,10 @@ def main(argv=None) -> int:
     started = report.now()
     checkpoint = loaders.checkpoint_spec(args.checkpoint)
     spacing = loaders.START_PIECE_SPACING_TICKS if args.spacing is None else args.spacing
-    starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing, args.stage_process)
+    starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing,
+                             args.stage_process, args.kv_dtype)
     result = report.run_record("bench.prefill_pieces", argv, args.commit, started, device=args.device,
-                               checkpoint=report.checkpoint_label(checkpoint), pool=pool, live=live,
+                               checkpoint=report.checkpoint_label(checkpoint), kv_dtype=args.kv_dtype, pool=pool, live=live,
                                stage_process=args.stage_process, starts=starts)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0

@@ -126,3 +126,22 @@ def test_a_ctrl_c_to_the_process_group_leaves_the_child_to_the_stub(echo):
     os.kill(echo.pid, signal.SIGINT)
     time.sleep(0.5)
     assert echo.tick({0: "a"}) == {0: ("a", echo.pid, 1)}
+
+
+@pytest.mark.parametrize("model", ["talker", "speech"])
+def test_the_talker_and_speech_models_read_the_talkers_options_alike(model):
+    """Both models serve a talker: their generated parameters become `TalkerService`'s options
+    by one reading, and a value set in the config arrives as its type."""
+    import inspect
+
+    from personaplex_triton.serving import model_configs
+    from personaplex_triton.serving.serving import TalkerService
+    from personaplex_triton.serving.stage_builds import talker_options
+
+    params = {p.key: p.value for p in model_configs.PARAMETERS[model]}
+    options = talker_options({**params, "start_piece_spacing": "3", "kv_dtype": "float8_e4m3fn"})
+    accepted = inspect.signature(TalkerService).parameters
+    assert set(options) <= set(accepted), set(options) - set(accepted)
+    assert options["start_piece_spacing"] == 3 and options["kv_dtype"] == "float8_e4m3fn"
+    assert options["persona_cache_size"] == int(params["persona_cache_size"]) and options["warm_personas"] == "all"
+    assert options["min_tick_interval_ms"] == 0.0

@@ -4,7 +4,7 @@ import numpy as np
 
 from personaplex_triton.core import contract, loaders, seam
 from personaplex_triton.serving.serving import TalkerService, load_log_lines, pick_device, seam_frame
-from personaplex_triton.serving.stage_builds import stage_process
+from personaplex_triton.serving.stage_builds import stage_process, talker_options
 from personaplex_triton.serving.triton_adapter import (
     ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 
@@ -18,14 +18,10 @@ class TritonPythonModel(ConversationModel):
         params = model_parameters(args)
         device = pick_device(params.get("device", "auto"), instance_gpu(args))
         service = TalkerService(
-            loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
-            device, float(params["idle_timeout_s"]),
-            int(params["persona_cache_size"]), params["mimi_runtime"],
-            params.get("warm_personas", ""), params.get("dtype", "auto"),
-            params.get("kv_dtype", "auto"), float(params.get("min_tick_interval_ms", "0")),
-            int(params.get("send_threads", "1")), stage_process(params, device),
-            start_piece_spacing=int(params.get("start_piece_spacing", loaders.START_PIECE_SPACING_TICKS)),
-            metrics=TritonMetrics(args["model_name"]))
+            loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"], device,
+            float(params["idle_timeout_s"]), mimi_runtime=params["mimi_runtime"],
+            send_threads=int(params.get("send_threads", "1")), stage_process=stage_process(params, device),
+            metrics=TritonMetrics(args["model_name"]), **talker_options(params))
         for line in load_log_lines(args["model_name"], service.info):
             log_info(line)
         self.serve_conversations(args, service, INPUTS)

@@ -6,7 +6,7 @@ import numpy as np
 from personaplex_triton.core import contract, loaders
 from personaplex_triton.serving.serving import load_log_lines, pick_device
 from personaplex_triton.serving.speech import SpeechService
-from personaplex_triton.serving.stage_builds import stage_process
+from personaplex_triton.serving.stage_builds import stage_process, talker_options
 from personaplex_triton.serving.triton_adapter import (
     ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 
@@ -24,11 +24,8 @@ class TritonPythonModel(ConversationModel):
             params["mimi_runtime"], int(params.get("send_threads", "1")),
             # The stages' metrics keep their own labels: dashboards and the health check read them.
             talker_metrics=TritonMetrics("talker"), code2wav_metrics=TritonMetrics("code2wav"),
-            idle_timeout_s=float(params["idle_timeout_s"]), persona_cache_size=int(params["persona_cache_size"]),
-            warm_personas=params.get("warm_personas", ""), dtype=params.get("dtype", "auto"),
-            kv_dtype=params.get("kv_dtype", "auto"),
-            min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")), stage_process=stage_process(params, device),
-            start_piece_spacing=int(params.get("start_piece_spacing", loaders.START_PIECE_SPACING_TICKS)))
+            idle_timeout_s=float(params["idle_timeout_s"]), stage_process=stage_process(params, device),
+            **talker_options(params))
         for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
             for line in load_log_lines(stage, stage_service.info):
                 log_info(line)

@@ -35,6 +35,15 @@ def stage_process(params: dict[str, str], device: str) -> bool:
     return device.startswith("cuda") if value == "auto" else value == "true"
 
 
+def talker_options(params: dict[str, str]) -> dict:
+    """The talker's options of a model's parameters, as `TalkerService` takes them: the talker's
+    and speech's models (model_configs.PARAMETERS) both serve one."""
+    return dict(persona_cache_size=int(params["persona_cache_size"]), warm_personas=params.get("warm_personas", ""),
+                dtype=params.get("dtype", "auto"), kv_dtype=params.get("kv_dtype", "auto"),
+                min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")),
+                start_piece_spacing=int(params.get("start_piece_spacing", loaders.START_PIECE_SPACING_TICKS)))
+
+
 def use_device_threads(device: str) -> None:
     """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
     On a GPU, how long a thread that wants the GIL waits for another to give it up

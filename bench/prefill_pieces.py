@@ -91,6 +91,25 @@ def timed_start(talker, slot: int, setup, device: torch.device, before_piece=lam
             "kernels_compiled": kernels_compiled() - kernels}
 
 
+def counted_pieces(talker, slot: int, setup, before_piece) -> list[int] | None:
+    """The PyTorch calls from Python of each piece of `setup`'s start in `slot` (each is a
+    launch, or more, from a host the server's other processes share); None for a talker in a
+    process of its own."""
+    from bench.tick_contention import CallCounter
+    from personaplex_triton.engine.stage_process import StageProcess
+
+    if isinstance(talker, StageProcess):
+        return None
+    job, calls, done = talker.begin_starts({slot: setup}), [], False
+    while not done:
+        before_piece()
+        with CallCounter() as counter:
+            done = job.advance()
+        calls.append(counter.calls)
+    talker.stop(slot)
+    return calls
+
+
 def timed_pieces(talker, slot: int, setup, sync, before_piece) -> dict:
     """`setup`'s start in `slot`, each piece timed to `sync()` after it; the slot stopped after."""
     job, pieces = talker.begin_starts({slot: setup}), []
@@ -155,6 +174,9 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
                 start = timed_start(service.talker, 0, TalkerSetup(persona, SamplingParams()), torch.device(device),
                                     before_piece=ticks)
                 starts.append({"words": words, "voice": voice, "turn": turn, **start})
+            calls = counted_pieces(service.talker, 0, TalkerSetup(persona, SamplingParams()), ticks)
+            for start in starts[-2:]:
+                start["calls"] = calls
         tick_ms = sorted(ticks.ticks_ms)
         return starts, service.info.slots_why, {"live": live, "spacing": spacing, "ticks": len(tick_ms),
                                                 "tick_ms_p50": round(tick_ms[len(tick_ms) // 2], 2) if tick_ms else None}
@@ -198,7 +220,9 @@ def markdown(result: dict, plot_name: str) -> str:
     lines = [*report.run_heading(result, "A new persona's start, piece by piece"),
              f"- Checkpoint {result['checkpoint']} on {result['device']}; the talker as served: {result['pool']}",
              "- Each persona started twice, with no persona cache (each start prefills), in the order of the "
-             "table. Pieces: wall time of each `StartJob.advance`, to the end of its GPU work (ms); "
+             "table, then a third time to count each piece's PyTorch calls from Python (each a launch or more, "
+             "from a host the server's other processes share; not timed: the counting slows them). "
+             "Pieces: wall time of each `StartJob.advance`, to the end of its GPU work (ms); "
              "passes: the prefill's transformer passes (positions each); allocations and retries: the CUDA "
              "caching allocator's over the start; kernels: Triton kernels compiled over the start.",
              *live_line(result.get("live")),
@@ -206,15 +230,19 @@ def markdown(result: dict, plot_name: str) -> str:
                 "its round trip as the engine's loop sees it, its GPU work not waited for; the columns that "
                 "process alone knows are '-'."] if result.get("stage_process") else []), "",
              "| prompt tokens | prefill positions | passes | start | pieces (ms) | whole (ms) | longest (ms) "
-             "| device allocations | allocator retries | kernels compiled |",
-             "| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| PyTorch calls a piece | device allocations | allocator retries | kernels compiled |",
+             "| ---: | ---: | --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     for s in result["starts"]:
         passes = "-" if s["passes"] is None else ", ".join(map(str, s["passes"]))
         lines.append(f"| {s['prompt_tokens']} | {report.cell(s['positions'])} | {passes} | "
                      f"{'first' if s['turn'] == 1 else 'second'} | {', '.join(map(str, s['pieces_ms']))} | {s['ms']} | "
-                     f"{s['longest_ms']} | {report.cell(s['device_allocs'])} | {report.cell(s['alloc_retries'])} | "
+                     f"{s['longest_ms']} | {calls_cell(s.get('calls'))} | {report.cell(s['device_allocs'])} | {report.cell(s['alloc_retries'])} | "
                      f"{report.cell(s['kernels_compiled'])} |")
     return "\n".join(lines + ["", f"![pieces]({plot_name})", ""])
+
+
+def calls_cell(calls: list[int] | None) -> str:
+    return "-" if calls is None else ", ".join(map(str, calls))
 
 
 def live_line(live: dict | None) -> list[str]:

@@ -695,6 +695,9 @@ def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint,
     for s in starts:
         assert sum(s["passes"]) == s["positions"] and len(s["pieces_ms"]) == len(s["passes"]) + 1
         assert s["longest_ms"] == max(s["pieces_ms"]) > 0
+        # the counted start of its length: as many pieces, each of some calls, the first (the
+        # setup, the embeddings) more than a pass's
+        assert len(s["calls"]) == len(s["pieces_ms"]) and min(s["calls"]) > 0 and s["calls"][0] > s["calls"][1]
     assert "| first |" in next(tmp_path.glob("*-t.md")).read_text()
 
 
@@ -710,7 +713,9 @@ def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpo
                                + (["--stage-process"] if stage_process else [])) == 0
     result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
     pieces = sum(len(s["pieces_ms"]) for s in result["starts"])
-    assert result["live"]["live"] == 3 and result["live"]["ticks"] == 2 * pieces
+    counted = 0 if stage_process else sum(len(s["calls"]) for s in result["starts"] if s["turn"] == 1)
+    assert result["live"]["live"] == 3 and result["live"]["ticks"] == 2 * (pieces + counted)
+    assert all((s["calls"] is None) == stage_process for s in result["starts"])
     assert result["live"]["tick_ms_p50"] > 0 and result["stage_process"] == stage_process
     assert all(len(s["pieces_ms"]) >= 2 and s["longest_ms"] > 0 for s in result["starts"])
     assert all((s["passes"] is None) == stage_process for s in result["starts"])

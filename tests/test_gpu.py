@@ -399,3 +399,52 @@ def test_a_graphed_prefill_leaves_the_slot_as_an_eager_one(files):
         assert answers[1] == answers[2], [(i, a, b) for i, (a, b) in enumerate(zip(answers[1], answers[2])) if a != b]
     finally:
         talker.close()
+
+
+def _streaming_tensors(lm) -> dict[str, torch.Tensor]:
+    """Every tensor of the LM's streaming state (the KV caches' too), live, by name."""
+    found = {}
+    for name, module in lm.named_modules():
+        state = getattr(module, "_streaming_state", None)
+        for holder, prefix in ((state, name), (getattr(state, "kv_cache", None), f"{name}.kv_cache")):
+            for attr, value in (vars(holder).items() if holder is not None else ()):
+                if isinstance(value, torch.Tensor):
+                    found[f"{prefix}.{attr}"] = value
+    return found
+
+
+def test_a_starts_graphed_reset_and_embeddings_are_the_eager_ones(lm):
+    """A start's model reset and its prefill's embeddings each replay one CUDA graph
+    (generation.py, step_graphs.GraphedCall), where eager they are hundreds of launches between
+    the live ticks: they leave the streaming state, and give the embeddings, bit for bit as
+    moshi's reset and the eager embedding do; a prefill longer than the graph's buffer runs
+    eagerly."""
+    from personaplex_triton.core import loaders
+
+    gen = SlotGenerator(lm, SLOTS, cuda_graphs=True)
+    try:
+        for slot in range(SLOTS):
+            gen.start(slot, SamplingParams(seed=slot))
+        for i in range(6):  # every slot's state moves on
+            unforced_step(gen, torch.ones(SLOTS, dtype=torch.bool),
+                          torch.randint(0, 2048, (SLOTS, 8), generator=torch.Generator().manual_seed(i)))
+        live = _streaming_tensors(lm)
+        before = {name: t.clone() for name, t in live.items()}
+        gen.reset_model([1, 3])
+        graphed = {name: t.clone() for name, t in live.items()}
+        for name, t in live.items():
+            t.copy_(before[name])
+        mask = torch.zeros(SLOTS, dtype=torch.bool, device="cuda")
+        mask[[1, 3]] = True
+        lm.reset_streaming(mask)
+        changed = [name for name in live if not torch.equal(before[name], graphed[name])]
+        assert changed, "the reset changed nothing"
+        assert all(torch.equal(graphed[name], live[name]) for name in live), \
+            [name for name in live if not torch.equal(graphed[name], live[name])]
+
+        for positions in (100, loaders.MAX_PREFILL_POSITIONS, loaders.MAX_PREFILL_POSITIONS + 1):
+            tokens = torch.randint(0, 2048, (positions, 17), generator=torch.Generator().manual_seed(positions))
+            embedded = gen.embed_prefill(tokens)
+            assert embedded.shape == (positions, 1, lm.dim) and torch.equal(embedded, gen.embed(tokens.cuda()))
+    finally:
+        gen.close()

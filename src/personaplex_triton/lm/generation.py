@@ -36,7 +36,7 @@ from .model_step import ModelStep
 from .prefill_graphs import PrefillPasses
 from .sampling import SamplingParams, SlotSampling
 from .slot_states import SlotStates
-from .step_graphs import StepGraphs
+from .step_graphs import GraphedCall, StepGraphs
 from .step_inputs import ACTIVE, HAS_OUTPUT, SLOT, STREAMS, USER, StepInputs, unpack
 from .token_grid import TokenGrid
 
@@ -79,12 +79,21 @@ class SlotGenerator:
             kv_cache.read_filled(lm.transformer)
         self.states = SlotStates(lm.transformer, num_slots, indexed_kv=self.ring_attention)
         self.prefill = PrefillPasses(lm, self.states, self.graphs.enabled)
+        # A start's model reset and its prefill's embeddings run between the live ticks: eager
+        # they are hundreds of launches (moshi's reset walks every module; each embedding's
+        # lookup is several kernels), under graphs one each.
+        self._reset = GraphedCall(lm.reset_streaming, (torch.zeros(num_slots, dtype=torch.bool, device=device),),
+                                  self.graphs.enabled)
+        self._embed_prefill = GraphedCall(
+            self.embed, (torch.zeros(loaders.MAX_PREFILL_POSITIONS, STREAMS, dtype=torch.long, device=device),),
+            self.graphs.enabled)
         self._carry = None   # the CarriedRows of the step being run, None: consecutive slots' views
         self._filled = None  # moshi's attention: ring entries to gather (the CPU's steps)
 
     def close(self) -> None:
         self.prefill.clear()
         self.graphs.clear()  # freed now, not by a garbage collection that may fall in another's capture
+        self._reset = self._embed_prefill = None
         self._streaming.__exit__(None, None, None)
 
     # -- slot life cycle -------------------------------------------------------------------
@@ -114,10 +123,13 @@ class SlotGenerator:
         self.top_k_text_bound = bucket_for(max(top_k_text, 1), loaders.TOP_K_TEXT_BUCKETS)
 
     def reset_model(self, slots: list[int]) -> None:
-        """The model's streaming state of `slots` back to a fresh conversation's."""
-        mask = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+        """The model's streaming state of `slots` back to a fresh conversation's. (moshi's
+        reset also zeroes each module's host-side step count, `offset_cpu`, which a graphed
+        reset does not replay: only per-step weights read it, which the temporal transformer
+        has none of, and the depformer's bookkeeping is written out in model_step.py.)"""
+        mask = torch.zeros(self.num_slots, dtype=torch.bool)
         mask[slots] = True
-        self.lm.reset_streaming(mask)
+        self._reset(mask)
 
     def snapshot(self, slot: int) -> dict:
         """A copy of everything `slot` has accumulated: its token grid and the temporal
@@ -129,6 +141,10 @@ class SlotGenerator:
         index = torch.tensor(slots, device=self.device)
         self.grid.put_row(index, snap["grid"])
         self.states.restore(index, snap["modules"])
+
+    def embed_prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`embed` of a prefill's tokens [M, 17] (on any device), its own copy."""
+        return self._embed_prefill(tokens)[:len(tokens)].clone()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Summed input embeddings of one position's tokens [S, 17] -> [S, 1, dim]."""

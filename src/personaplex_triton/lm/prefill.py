@@ -50,7 +50,7 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
             grid.cache[0] = restores[end - 1]
         start = end
     generator.grid.put_row(slot, grid)
-    inputs = generator.embed(torch.cat(previous).to(generator.device))  # [M, 1, dim]
+    inputs = generator.embed_prefill(torch.cat(previous))  # [M, 1, dim]
     if embeddings:
         inputs[list(embeddings), 0] = torch.stack(list(embeddings.values())).to(inputs)
     end = 0

@@ -413,7 +413,8 @@ def add_starts(row: dict, server_log: Path, go: float, end: float, talker_record
     """The talker's starts in the level started at `go` and over at `end`, from the server's log
     (serving.starts_in_log): how many, the longest piece of each (what the live conversations'
     frames waited for it) and each whole start, p50 and max (ms); and each start of more than one
-    piece (a prefill) on its own: when it ended (s from `go`), the whole, its pieces, and, from
+    piece (a prefill) on its own: when it ended (s from `go`), the whole, its pieces (each as the
+    engine's loop waited for it, and its `begin_starts` before them, where the log has them), and, from
     the talker's frame records where there are any, its ticks and the gaps between them
     (ticks.during)."""
     logged = starts_in_log(Path(server_log).read_text(errors="replace"), time.localtime(go).tm_year)
@@ -425,6 +426,7 @@ def add_starts(row: dict, server_log: Path, go: float, end: float, talker_record
                          "ms_max": max(wholes)}
         row["starts"]["each"] = [
             {"end_s": round(s["at"] - go, 2), "ms": s["ms"], "pieces": s["pieces"], "longest_ms": s["longest_ms"],
+             "begin_ms": s["begin_ms"], "pieces_ms": s["pieces_ms"],
              **(ticks.during(talker_records, s["at"] - s["ms"] / 1000, s["at"]) if talker_records else {})}
             for s in starts if s["pieces"] > 1]
 

@@ -388,18 +388,23 @@ def _each_prefill_table(started: list[dict]) -> list[str]:
     if not levels:
         return []
     lines = ["Each prefill on its own: when it ended (s into the level), the whole and its pieces from the "
-             "log; from the talker's trace, the gaps over 1 ms between its ticks (a piece it waited for, or no "
-             "frame waiting) and "
+             "log (each piece as the engine's loop waited for it, after `begin_starts`, a round trip to the "
+             "talker's process where it has one); from the talker's trace, the gaps over 1 ms between its ticks "
+             "(a piece it waited for, or no frame waiting) and "
              "its ticks from the one before the start to the one after (a piece whose GPU work it did not "
              "wait for lengthens the next tick), ms.", "",
-             "| conversations | ended (s) | whole (ms) | pieces | longest (ms) | gaps between ticks (ms) | ticks (ms) |",
-             "| ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "| conversations | ended (s) | whole (ms) | begun in (ms) | pieces (ms) | longest (ms) "
+             "| gaps between ticks (ms) | ticks (ms) |",
+             "| ---: | ---: | ---: | ---: | --- | ---: | --- | --- |"]
+
+    def listed(values) -> str:
+        return "-" if values is None else ", ".join(map(str, values))
+
     for r in levels:
         for e in r["starts"]["each"]:
-            gaps, ticks = e.get("gaps_ms"), e.get("ticks_ms")
-            lines.append(f"| {r['conversations']} | {e['end_s']:g} | {e['ms']} | {e['pieces']} | {e['longest_ms']} "
-                         f"| {', '.join(map(str, gaps)) if gaps is not None else '-'} "
-                         f"| {', '.join(map(str, ticks)) if ticks is not None else '-'} |")
+            pieces = listed(e.get("pieces_ms")) if e.get("pieces_ms") is not None else str(e["pieces"])
+            lines.append(f"| {r['conversations']} | {e['end_s']:g} | {e['ms']} | {cell(e.get('begin_ms'))} | {pieces} "
+                         f"| {e['longest_ms']} | {listed(e.get('gaps_ms'))} | {listed(e.get('ticks_ms'))} |")
     return lines + [""]
 
 

@@ -328,6 +328,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert start["start_s"] == 1.5 and {k: start[k] for k in ("frames", "late", "over_160")} == near["near"]
     prefills = row["starts"]["each"]  # its prefill, in pieces, with the talker's ticks around it
     assert prefills and all(p["pieces"] > 1 and p["ticks_ms"] and all(ms > 0 for ms in p["ticks_ms"]) for p in prefills)
+    assert all(len(p["pieces_ms"]) == p["pieces"] and p["begin_ms"] >= 0 for p in prefills)  # as the loop saw them
     assert "Each new persona's start" in text and "Each prefill on its own" in text
     assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()
 

@@ -287,5 +287,9 @@ def test_the_librarys_log_reaches_the_servers_log(server, solo):
     assert {start["stage"] for start in starts} == {"talker", "code2wav"}
     assert all(start["conversations"] >= 1 and start["pieces"] >= 1 and start["ms"] >= start["longest_ms"]
                and time.time() - 3600 < start["at"] <= time.time() for start in starts)
+    # each piece as the loop waited for it, after the start was begun: within the whole
+    assert all(len(start["pieces_ms"]) == start["pieces"] and max(start["pieces_ms"]) == start["longest_ms"]
+               and start["begin_ms"] + sum(start["pieces_ms"]) <= start["ms"] + 0.1 * (start["pieces"] + 1)
+               for start in starts)
     # a new persona's prefill (the solo conversation's voice and role prompt) takes pieces
     assert max(start["pieces"] for start in starts if start["stage"] == "talker") > 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core import metrics as reasons
@@ -31,7 +31,8 @@ from .ticker import Ticker
 log = logging.getLogger(__name__)
 
 # Each start's log line (serving.starts_in_log reads it back from tritonserver's log).
-STARTED_LOG = "%s: started %d conversation(s) in %.1f ms over %d piece(s), the longest %.1f ms; %d live"
+STARTED_LOG = ("%s: started %d conversation(s) in %.1f ms over %d piece(s), the longest %.1f ms; %d live; "
+               "begun in %.1f ms, pieces %s ms")
 HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
 CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
 
@@ -42,8 +43,13 @@ class _Start:
     conversations: list[Conversation]
     job: StartJob
     began: float
-    pieces: int = 0
-    longest_s: float = 0.0  # the longest piece: what the live conversations' frames waited for it
+    begun_s: float  # `begin_starts`: a round trip where the stage runs in a process of its own
+    piece_s: list[float] = field(default_factory=list)  # each piece as the loop waited for it
+
+    @property
+    def longest_s(self) -> float:
+        """The longest piece: what the live conversations' frames waited for it."""
+        return max(self.piece_s, default=0.0)
 
 
 class EngineLoop(threading.Thread):
@@ -151,12 +157,13 @@ class EngineLoop(threading.Thread):
         """Begin the start of the conversations admitted since the last pass, together (one
         reset of the model for all): in pieces where the stage has `begin_starts`, else at once."""
         # Beginning does no work (a job's pieces run in `_advance_starts`, which takes their failures).
+        began = time.perf_counter()
         job = begin_starts(self.stage, {conv.slot: conv.setup for conv in starting})
-        self._starts.append(_Start(starting, job, time.perf_counter()))
+        self._starts.append(_Start(starting, job, began, time.perf_counter() - began))
 
     def _piece_due(self) -> bool:
         """Whether the next start's next piece may run now (scheduler.piece_due); under the lock."""
-        return bool(self._starts) and self._scheduler.piece_due(first=self._starts[0].pieces == 0)
+        return bool(self._starts) and self._scheduler.piece_due(first=not self._starts[0].piece_s)
 
     def _advance_starts(self) -> None:
         """One piece of one start a pass, the starts under way taking turns, so that a tick never
@@ -175,8 +182,7 @@ class EngineLoop(threading.Thread):
             raise
         except Exception as exc:  # a bad persona must not take the engine down
             done, failed = True, {conv.slot: exc for conv in start.conversations}
-        start.pieces += 1
-        start.longest_s = max(start.longest_s, time.perf_counter() - began)
+        start.piece_s.append(time.perf_counter() - began)
         if done:
             self._finish_start(start, failed)
         else:
@@ -189,7 +195,8 @@ class EngineLoop(threading.Thread):
             live = len(self._table.live())
         # The live conversations' frames waited for each piece: the longest is what a start costs them.
         log.info(STARTED_LOG, self.name, len(start.conversations), (time.perf_counter() - start.began) * 1e3,
-                 start.pieces, start.longest_s * 1e3, live)
+                 len(start.piece_s), start.longest_s * 1e3, live, start.begun_s * 1e3,
+                 ", ".join(f"{piece * 1e3:.1f}" for piece in start.piece_s))
         for conv in start.conversations:
             exc = failed.get(conv.slot)
             if exc is not None:

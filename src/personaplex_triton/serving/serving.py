@@ -135,19 +135,22 @@ def slots_in_log(text: str) -> dict[str, int]:
 # A start's line (engine_loop.STARTED_LOG) as tritonserver logs it: "I1205 07:29:18.668348 ...".
 _STARTED_IN_LOG = re.compile(
     r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) .*?(\w+): started (\d+) conversation\(s\) in ([\d.]+) ms "
-    r"over (\d+) piece\(s\), the longest ([\d.]+) ms", re.M)
+    r"over (\d+) piece\(s\), the longest ([\d.]+) ms(?:; \d+ live; begun in ([\d.]+) ms, pieces ([\d.]+(?:, [\d.]+)*) ms)?", re.M)
 
 
 def starts_in_log(text: str, year: int) -> list[dict]:
     """Each start the stages' engines logged in a tritonserver log of `year` (its lines give no
     year), in order: when it ended (`at`, seconds since the epoch, the server's local time),
     `stage`, `conversations`, `ms` (the whole start), `pieces`, `longest_ms` (the longest piece:
-    what the live conversations' frames waited for it)."""
+    what the live conversations' frames waited for it), and, where the line has them (since
+    2026-12-06), `begin_ms` (`begin_starts`: a round trip to a stage's own process) and
+    `pieces_ms` (each piece as the engine's loop waited for it); else None."""
     starts = []
-    for month, day, hour, minute, second, stage, n, ms, pieces, longest in _STARTED_IN_LOG.findall(text):
+    for month, day, hour, minute, second, stage, n, ms, pieces, longest, begun, each in _STARTED_IN_LOG.findall(text):
         at = datetime.datetime(year, int(month), int(day), int(hour), int(minute)).timestamp() + float(second)
         starts.append({"at": at, "stage": stage, "conversations": int(n), "ms": float(ms), "pieces": int(pieces),
-                       "longest_ms": float(longest)})
+                       "longest_ms": float(longest), "begin_ms": float(begun) if begun else None,
+                       "pieces_ms": [float(piece) for piece in each.split(", ")] if each else None})
     return starts
 
 

@@ -16,11 +16,13 @@ then runs right after a tick, as served, with whatever the tick left queued on t
 Mimi encode), and the table tells the pieces' cost beside live ticks from the served one's.
 With `--stage-process` the talker runs in a process of its own, as served on a GPU, and each
 piece is timed as the engine's loop sees it (its round trip): beside `--live`, that tells the
-process's own cost from code2wav's (served, beside it on the GPU).
+process's own cost from code2wav's (served, beside it on the GPU). `--code2wav` adds that
+code2wav: each live tick's answers decoded while the next piece runs (in a process of its own
+too with `--stage-process`).
 
     python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --name prefill-pieces-h200
     python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 --kv-dtype float8_e4m3fn \
-        [--stage-process] --name prefill-pieces-live
+        [--stage-process] [--code2wav] --name prefill-pieces-live
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -28,9 +30,11 @@ writes bench/results/<date>-<name>.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before moshi is imported
@@ -131,9 +135,11 @@ def timed_pieces(talker, slot: int, setup, sync, before_piece) -> dict:
 
 class LiveTicks:
     """`live` conversations of `persona` in the slots after 0, ticked `spacing` times a call,
-    each tick timed (it ends when its answers are on the host, as served)."""
+    each tick timed (it ends when its answers are on the host, as served). With a `decoder`
+    (code2wav), each tick's answers are decoded on a thread of their own while what follows
+    runs, as code2wav's engine decodes them served, its GPU work beside the talker's."""
 
-    def __init__(self, talker, persona, live: int, spacing: int):
+    def __init__(self, talker, persona, live: int, spacing: int, decoder=None):
         from personaplex_triton.lm.sampling import SamplingParams
         from personaplex_triton.stages.talker import TalkerSetup
 
@@ -146,27 +152,63 @@ class LiveTicks:
             raise RuntimeError(f"the live conversations did not start: {failed}")
         noise = np.random.default_rng(0).normal(0, 0.01, (live, 1920)).astype(np.float32)
         self.frames = dict(zip(slots, noise))
+        self.decoder, self.decodes_ms, self._decoding = decoder, [], None
+        if decoder is not None:
+            failed = decoder.start_many({s: None for s in slots})
+            if failed:
+                raise RuntimeError(f"the live conversations' decoder did not start: {failed}")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="code2wav")
 
     def __call__(self) -> None:
         for _ in range(self.spacing if self.frames else 0):
             began = time.perf_counter()
-            self.talker.tick(self.frames)
+            answers = self.talker.tick(self.frames)
             self.ticks_ms.append((time.perf_counter() - began) * 1000)
+            if self.decoder is not None and answers:
+                self.wait()  # code2wav's tick is shorter than the talker's: rarely waited for
+                self._decoding = self._pool.submit(self._decode, answers)
+
+    def _decode(self, answers: dict) -> None:
+        from personaplex_triton.stages.code2wav import CodesFrame
+
+        began = time.perf_counter()
+        self.decoder.tick({slot: CodesFrame(step.codes) for slot, step in answers.items()})
+        self.decodes_ms.append((time.perf_counter() - began) * 1000)
+
+    def wait(self) -> None:
+        """The last decode done (its error raised here)."""
+        if self._decoding is not None:
+            self._decoding.result()
+            self._decoding = None
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self._pool.shutdown(wait=True)
 
 
-def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
-        spacing: int = 1, stage_process: bool = False, kv_dtype: str = "auto") -> tuple[list[dict], str, dict]:
+def run(checkpoint: str, device: str, max_conversations: str, live: int = 0, spacing: int = 1,
+        stage_process: bool = False, kv_dtype: str = "auto", code2wav: bool = False) -> tuple[list[dict], str, dict]:
+    from personaplex_triton.core.metrics import Metrics
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.serving.serving import TalkerService
+    from personaplex_triton.serving.stage_builds import build_code2wav, open_stage
     from personaplex_triton.stages.talker import TalkerSetup
 
-    # No persona cache: every start prefills, the same persona's second start too (the voices
-    # are still played once at load, as served, which warms what an empty role prompt runs).
-    service = TalkerService(checkpoint, max_conversations, device=device, persona_cache_size=0,
-                            warm_personas="all", stage_process=stage_process, kv_dtype=kv_dtype)
-    try:
+    with contextlib.ExitStack() as closing:  # closed in reverse: the ticks' thread, the talker, code2wav
+        decoder = None
+        if code2wav:  # first, as served: on a GPU it takes its largest tick's memory before the talker sizes its pool
+            decoder = open_stage("code2wav", build_code2wav, dict(checkpoint=checkpoint, max_conversations="auto",
+                                                                  device=device, mimi_runtime="auto"),
+                                 stage_process, Metrics())[0]
+            closing.callback(getattr(decoder, "close", lambda: None))
+        # No persona cache: every start prefills, the same persona's second start too (the voices
+        # are still played once at load, as served, which warms what an empty role prompt runs).
+        service = TalkerService(checkpoint, max_conversations, device=device, persona_cache_size=0,
+                                warm_personas="all", stage_process=stage_process, kv_dtype=kv_dtype)
+        closing.callback(service.close)
         voice = service.personas.default_voice
-        ticks = LiveTicks(service.talker, service.personas.persona(voice, ""), live, spacing)
+        ticks = LiveTicks(service.talker, service.personas.persona(voice, ""), live, spacing, decoder)
+        closing.callback(ticks.close)
         starts = []
         for words in PROMPT_WORDS:
             persona = service.personas.persona(voice, prompt(words))
@@ -177,11 +219,13 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0,
             calls = counted_pieces(service.talker, 0, TalkerSetup(persona, SamplingParams()), ticks)
             for start in starts[-2:]:
                 start["calls"] = calls
-        tick_ms = sorted(ticks.ticks_ms)
-        return starts, service.info.slots_why, {"live": live, "spacing": spacing, "ticks": len(tick_ms),
-                                                "tick_ms_p50": round(tick_ms[len(tick_ms) // 2], 2) if tick_ms else None}
-    finally:
-        service.close()
+        ticks.wait()
+        tick_ms, decode_ms = sorted(ticks.ticks_ms), sorted(ticks.decodes_ms)
+        return starts, service.info.slots_why, {
+            "live": live, "spacing": spacing, "ticks": len(tick_ms),
+            "tick_ms_p50": round(tick_ms[len(tick_ms) // 2], 2) if tick_ms else None,
+            "code2wav": code2wav, "decodes": len(decode_ms),
+            "decode_ms_p50": round(decode_ms[len(decode_ms) // 2], 2) if decode_ms else None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -194,6 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--live", type=int, default=0, help="conversations ticking beside the starts")
     parser.add_argument("--stage-process", action="store_true",
                         help="the talker in a process of its own, as served on a GPU: each piece's round trip")
+    parser.add_argument("--code2wav", action="store_true",
+                        help="with --live: a code2wav decoding each live tick's answers beside what follows, as "
+                             "served (in a process of its own with --stage-process)")
     parser.add_argument("--spacing", type=int, default=None,
                         help="their ticks before each piece (default: the served scheduler's, loaders.START_PIECE_SPACING_TICKS)")
     report.add_output_arguments(parser, "prefill-pieces")
@@ -207,8 +254,10 @@ def main(argv=None) -> int:
     started = report.now()
     checkpoint = loaders.checkpoint_spec(args.checkpoint)
     spacing = loaders.START_PIECE_SPACING_TICKS if args.spacing is None else args.spacing
+    if args.code2wav and not args.live:
+        raise SystemExit("--code2wav decodes the live conversations' answers: give --live N too")
     starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing,
-                             args.stage_process, args.kv_dtype)
+                             args.stage_process, args.kv_dtype, args.code2wav)
     result = report.run_record("bench.prefill_pieces", argv, args.commit, started, device=args.device,
                                checkpoint=report.checkpoint_label(checkpoint), kv_dtype=args.kv_dtype, pool=pool, live=live,
                                stage_process=args.stage_process, starts=starts)
@@ -248,8 +297,10 @@ def calls_cell(calls: list[int] | None) -> str:
 def live_line(live: dict | None) -> list[str]:
     if not live or not live["live"]:
         return ["- No live conversations: the pieces ran back to back."]
+    decoded = (f"a code2wav decoding each tick's answers while what follows runs, as served "
+               f"({live['decodes']} decodes, p50 {live['decode_ms_p50']} ms)" if live.get("code2wav") else "no code2wav")
     return [f"- Beside {live['live']} live conversations: {live['spacing']} of their ticks before each piece "
-            f"(frames of noise; no code2wav), the piece timed from the tick's end; {live['ticks']} ticks, "
+            f"(frames of noise; {decoded}), the piece timed from the tick's end; {live['ticks']} ticks, "
             f"p50 {live['tick_ms_p50']} ms."]
 
 

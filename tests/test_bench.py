@@ -706,13 +706,17 @@ def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint,
 def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpoint, tmp_path, stage_process):
     """With --live, conversations tick `--spacing` times before each piece of every start, and
     the live slots never take the starting one's; with --stage-process the talker is a process
-    of its own, as served on a GPU, and what only it knows is not reported."""
+    of its own, as served on a GPU, and what only it knows is not reported; there, with
+    --code2wav, a code2wav in a process of its own decodes each live tick's answers."""
     from bench import prefill_pieces
 
     assert prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--name", "t",
                                 "--live", "3", "--spacing", "2", "--max-conversations", "4"]
-                               + (["--stage-process"] if stage_process else [])) == 0
+                               + (["--stage-process", "--code2wav"] if stage_process else [])) == 0
     result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
+    decoded = result["live"]["decodes"]
+    assert result["live"]["code2wav"] == stage_process and (decoded > 0) == stage_process
+    assert decoded <= result["live"]["ticks"]  # a tick inside the model's delays answers nothing to decode
     pieces = sum(len(s["pieces_ms"]) for s in result["starts"])
     counted = 0 if stage_process else sum(len(s["calls"]) for s in result["starts"] if s["turn"] == 1)
     assert result["live"]["live"] == 3 and result["live"]["ticks"] == 2 * (pieces + counted)
@@ -723,6 +727,14 @@ def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpo
     text = next(tmp_path.glob("*-t.md")).read_text()
     assert "Beside 3 live conversations: 2 of their ticks before each piece" in text
     assert ("a process of its own (`--stage-process`" in text) == stage_process
+    assert ("a code2wav decoding each tick's answers" in text) == stage_process
+
+
+def test_prefill_pieces_refuses_code2wav_without_live_conversations(tiny_checkpoint, tmp_path):
+    from bench import prefill_pieces
+
+    with pytest.raises(SystemExit, match="--code2wav decodes the live conversations' answers: give --live N too"):
+        prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--code2wav"])
 
 
 def test_start_crossing_times_a_start_through_the_talkers_process_both_ways(tiny_checkpoint, tmp_path):

@@ -104,33 +104,42 @@ def counted_pieces(talker, slot: int, setup, before_piece) -> list[int] | None:
 
     if isinstance(talker, StageProcess):
         return None
-    job, calls, done = talker.begin_starts({slot: setup}), [], False
-    while not done:
-        before_piece()
+
+    def counted(advance) -> tuple[bool, int]:
         with CallCounter() as counter:
-            done = job.advance()
-        calls.append(counter.calls)
-    talker.stop(slot)
-    return calls
+            done = advance()
+        return done, counter.calls
+
+    return each_piece(talker, slot, setup, before_piece, counted)
 
 
 def timed_pieces(talker, slot: int, setup, sync, before_piece) -> dict:
     """`setup`'s start in `slot`, each piece timed to `sync()` after it; the slot stopped after."""
-    job, pieces = talker.begin_starts({slot: setup}), []
-    sync()
-    while True:
-        before_piece()
+
+    def timed(advance) -> tuple[bool, float]:
         began = time.perf_counter()
-        done = job.advance()
+        done = advance()
         sync()
-        pieces.append(round((time.perf_counter() - began) * 1000, 1))
-        if done:
-            break
+        return done, round((time.perf_counter() - began) * 1000, 1)
+
+    sync()  # what was queued before the start is not its first piece's
+    pieces = each_piece(talker, slot, setup, before_piece, timed)
+    return {"prompt_tokens": len(setup.persona.text_tokens), "pieces_ms": pieces, "ms": round(sum(pieces), 1),
+            "longest_ms": max(pieces)}
+
+
+def each_piece(talker, slot: int, setup, before_piece, measure) -> list:
+    """`setup`'s start in `slot`, piece by piece: `before_piece()` before each, and of each what
+    `measure(advance)` gives ((done, figure)); the slot stopped after."""
+    job, figures, done = talker.begin_starts({slot: setup}), [], False
+    while not done:
+        before_piece()
+        done, figure = measure(job.advance)
+        figures.append(figure)
     if job.failed:
         raise RuntimeError(f"the start failed: {job.failed}")
     talker.stop(slot)
-    return {"prompt_tokens": len(setup.persona.text_tokens), "pieces_ms": pieces, "ms": round(sum(pieces), 1),
-            "longest_ms": max(pieces)}
+    return figures
 
 
 class LiveTicks:
@@ -220,12 +229,14 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0, spa
             for start in starts[-2:]:
                 start["calls"] = calls
         ticks.wait()
-        tick_ms, decode_ms = sorted(ticks.ticks_ms), sorted(ticks.decodes_ms)
         return starts, service.info.slots_why, {
-            "live": live, "spacing": spacing, "ticks": len(tick_ms),
-            "tick_ms_p50": round(tick_ms[len(tick_ms) // 2], 2) if tick_ms else None,
-            "code2wav": code2wav, "decodes": len(decode_ms),
-            "decode_ms_p50": round(decode_ms[len(decode_ms) // 2], 2) if decode_ms else None}
+            "live": live, "spacing": spacing, "ticks": len(ticks.ticks_ms), "tick_ms_p50": median_ms(ticks.ticks_ms),
+            "code2wav": code2wav, "decodes": len(ticks.decodes_ms), "decode_ms_p50": median_ms(ticks.decodes_ms)}
+
+
+def median_ms(values: list[float]) -> float | None:
+    """The middle value (the upper of two), rounded; None for none."""
+    return round(sorted(values)[len(values) // 2], 2) if values else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -282,16 +293,11 @@ def markdown(result: dict, plot_name: str) -> str:
              "| PyTorch calls a piece | device allocations | allocator retries | kernels compiled |",
              "| ---: | ---: | --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     for s in result["starts"]:
-        passes = "-" if s["passes"] is None else ", ".join(map(str, s["passes"]))
-        lines.append(f"| {s['prompt_tokens']} | {report.cell(s['positions'])} | {passes} | "
+        lines.append(f"| {s['prompt_tokens']} | {report.cell(s['positions'])} | {report.cells(s['passes'])} | "
                      f"{'first' if s['turn'] == 1 else 'second'} | {', '.join(map(str, s['pieces_ms']))} | {s['ms']} | "
-                     f"{s['longest_ms']} | {calls_cell(s.get('calls'))} | {report.cell(s['device_allocs'])} | {report.cell(s['alloc_retries'])} | "
+                     f"{s['longest_ms']} | {report.cells(s.get('calls'))} | {report.cell(s['device_allocs'])} | {report.cell(s['alloc_retries'])} | "
                      f"{report.cell(s['kernels_compiled'])} |")
     return "\n".join(lines + ["", f"![pieces]({plot_name})", ""])
-
-
-def calls_cell(calls: list[int] | None) -> str:
-    return "-" if calls is None else ", ".join(map(str, calls))
 
 
 def live_line(live: dict | None) -> list[str]:

@@ -183,6 +183,11 @@ def cell(value) -> str:
     return "-" if value is None else str(value)
 
 
+def cells(values) -> str:
+    """A table's cell of several figures, comma-separated: '-' where they were not measured."""
+    return "-" if values is None else ", ".join(map(str, values))
+
+
 def markdown(result: dict) -> str:
     h = result["header"]
     m = h["machine"]
@@ -396,15 +401,11 @@ def _each_prefill_table(started: list[dict]) -> list[str]:
              "| conversations | ended (s) | whole (ms) | begun in (ms) | pieces (ms) | longest (ms) "
              "| gaps between ticks (ms) | ticks (ms) |",
              "| ---: | ---: | ---: | ---: | --- | ---: | --- | --- |"]
-
-    def listed(values) -> str:
-        return "-" if values is None else ", ".join(map(str, values))
-
     for r in levels:
         for e in r["starts"]["each"]:
-            pieces = listed(e.get("pieces_ms")) if e.get("pieces_ms") is not None else str(e["pieces"])
+            pieces = cells(e.get("pieces_ms")) if e.get("pieces_ms") is not None else str(e["pieces"])
             lines.append(f"| {r['conversations']} | {e['end_s']:g} | {e['ms']} | {cell(e.get('begin_ms'))} | {pieces} "
-                         f"| {e['longest_ms']} | {listed(e.get('gaps_ms'))} | {listed(e.get('ticks_ms'))} |")
+                         f"| {e['longest_ms']} | {cells(e.get('gaps_ms'))} | {cells(e.get('ticks_ms'))} |")
     return lines + [""]
 
 

@@ -61,6 +61,18 @@ def unforced_step(gen, active, user, rows=None):
     return tokens, has_output
 
 
+def snapshot_tensors(snap: dict) -> dict:
+    """A SlotGenerator snapshot's tensors by name: the grid's, each per-row state's and the KV
+    caches' ("kv"); the exec mask left out (each step sets it, for its own rows)."""
+    grid = snap["grid"]
+    modules = snap["modules"]
+    found = {f"grid.{name}": getattr(grid, name) for name in ("cache", "provided", "offset")}
+    found.update((name, rows) for name, rows in modules["rows"].items() if name != "exec_mask")
+    if "kv" in modules:
+        found["kv"] = modules["kv"]
+    return found
+
+
 def greedy_tokens_of(gen, active_at, steps: int) -> list:
     """The greedy tokens of `steps` steps of a SlotGenerator whose slots are started: random
     user codes, nothing else forced, `active_at(i)` the rows active at step i ([num_slots] bools)."""

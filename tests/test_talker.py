@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import greedy_tokens_of, tiny_moshi_lm, unforced_step
+from conftest import greedy_tokens_of, snapshot_tensors, tiny_moshi_lm, unforced_step
 from moshi.modules.transformer import RingKVCache
 
 from personaplex_triton.core import loaders
@@ -404,11 +404,10 @@ def test_batched_prefill_equals_step_by_step(talker, wav_voice, user_frames, voi
     talker.generator.start(1, SamplingParams(seed=5))
     prefill_step_by_step(talker, 1, persona)
     stepped = talker.generator.snapshot(1)
-    for grid in ("cache", "provided", "offset"):
-        assert torch.equal(getattr(batched["grid"], grid), getattr(stepped["grid"], grid))
-    for a, b in zip(batched["modules"], stepped["modules"], strict=True):
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
+    batched, stepped = snapshot_tensors(batched), snapshot_tensors(stepped)
+    assert batched.keys() == stepped.keys() and "kv" in batched
+    for name, value in batched.items():
+        torch.testing.assert_close(value, stepped[name], atol=1e-4, rtol=1e-4)
     # the same conversation after either prefill
     answers = {0: [], 1: []}
     for frame in user_frames:
@@ -418,6 +417,38 @@ def test_batched_prefill_equals_step_by_step(talker, wav_voice, user_frames, voi
     assert answers[0] == answers[1]
     talker.stop(0)
     talker.stop(1)
+
+
+def test_a_snapshot_from_the_hosts_length_restores_into_several_slots_at_once(talker, wav_voice, user_frames):
+    """A start's snapshot into the persona cache takes the prefill's length from the host (read
+    back, it would wait for the passes queued on a GPU): it is the snapshot that reads the
+    length back. Restored into two slots in one call, each holds it, entry for entry, and the
+    third slot keeps its own."""
+    from personaplex_triton.stages.talker import PersonaCache
+
+    persona_setup = setup(wav_voice, talker.tokenizer, "You are a careful pilot.", seed=3)
+    talker.start(2, setup(wav_voice, seed=4))
+    talker.tick({2: user_frames[0]})
+    talker.settle()  # the tick's user codes written
+    kept = snapshot_tensors(talker.generator.snapshot(2))
+    talker.persona_cache = PersonaCache(1)
+    try:
+        talker.start(0, persona_setup)
+        cached = snapshot_tensors(talker.persona_cache.get(persona_setup.persona.key))
+        read_back = snapshot_tensors(talker.generator.snapshot(0))
+        assert cached.keys() == read_back.keys() and "kv" in cached
+        for name, value in read_back.items():
+            assert torch.equal(value, cached[name]), name
+        talker.generator.restore([1, 0], talker.persona_cache.get(persona_setup.persona.key))
+        for slot in (0, 1):
+            for name, value in snapshot_tensors(talker.generator.snapshot(slot)).items():
+                assert torch.equal(value, cached[name]), (slot, name)
+        for name, value in snapshot_tensors(talker.generator.snapshot(2)).items():
+            assert torch.equal(value, kept[name]), name
+    finally:
+        talker.persona_cache = PersonaCache(0)
+        for slot in range(NUM_SLOTS):
+            talker.stop(slot)
 
 
 def test_the_largest_top_k_is_kept_on_the_host_as_the_tensors_hold_it():

@@ -88,7 +88,7 @@ def test_a_fresh_row_is_what_a_started_slot_reads_back():
     grid.provided[:] = torch.rand(grid.provided.shape, generator=gen) < 0.5
     grid.offset[:] = 7
     grid.start(1)
-    fresh, started = grid.fresh_row(), grid.row(1, "cpu")
+    fresh, started = grid.fresh_row(), grid.row(1)
     for name in ("cache", "provided", "offset", "delays", "initial"):
         assert torch.equal(getattr(fresh, name), getattr(started, name)), name
     assert not torch.equal(fresh.cache[0], grid.cache[0])  # slot 0 was not started

@@ -31,6 +31,7 @@ import torch
 
 from ..core import loaders
 from ..core.buckets import batch_buckets, bucket_for
+from ..core.host_copies import to_device
 from . import fused_ops, kv_cache, ring_attention
 from .model_step import ModelStep
 from .prefill_graphs import PrefillPasses
@@ -111,7 +112,7 @@ class SlotGenerator:
         the H200, so 64 conversations starting together took 200 ms of resets). Without
         `reset_model` the caller puts each slot's model state in place (`reset_model`, or
         `restore`, which writes all of it)."""
-        slots = torch.tensor(list(params), device=self.device)
+        slots = to_device(torch.tensor(list(params)), self.device)
         if reset_model:
             self.reset_model(list(params))
         self.grid.start(slots)
@@ -131,16 +132,17 @@ class SlotGenerator:
         mask[slots] = True
         self._reset(mask)
 
-    def snapshot(self, slot: int) -> dict:
+    def snapshot(self, slot: int, filled: int | None = None) -> dict:
         """A copy of everything `slot` has accumulated: its token grid and the temporal
-        transformer's streaming state (KV cache up to its length, offsets)."""
-        return {"grid": self.grid.row(slot, self.device), "modules": self.states.snapshot(slot)}
+        transformer's streaming state (KV cache up to `filled` entries, offsets). Given
+        `filled` (a prefill's positions, known on the host), it waits for nothing on the GPU;
+        None reads the slot's length back."""
+        return {"grid": self.grid.row(slot), "modules": self.states.snapshot(slot, filled)}
 
     def restore(self, slots: list[int], snap: dict) -> None:
         """Put a snapshot (of any slot) into each of `slots`."""
-        index = torch.tensor(slots, device=self.device)
-        self.grid.put_row(index, snap["grid"])
-        self.states.restore(index, snap["modules"])
+        self.grid.put_row(to_device(torch.tensor(slots), self.device), snap["grid"])
+        self.states.restore(slots, snap["modules"])
 
     def embed_prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """`embed` of a prefill's tokens [M, 17] (on any device), its own copy."""

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Generator
 
 import torch
 
+from ..core.host_copies import to_device
+
 if TYPE_CHECKING:
     from .generation import SlotGenerator
 
@@ -52,7 +54,8 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
     generator.grid.put_row(slot, grid)
     inputs = generator.embed_prefill(torch.cat(previous))  # [M, 1, dim]
     if embeddings:
-        inputs[list(embeddings), 0] = torch.stack(list(embeddings.values())).to(inputs)
+        steps = to_device(torch.tensor(list(embeddings)), inputs.device)
+        inputs[steps, 0] = to_device(torch.stack(list(embeddings.values())), inputs.device).to(inputs)
     end = 0
     for chunk in inputs.transpose(0, 1).split(generator.prefill.lengths(len(tokens)), dim=1):
         yield

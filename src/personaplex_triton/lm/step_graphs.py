@@ -18,6 +18,7 @@ import torch
 from moshi.utils.compile import no_cuda_graph
 
 from ..core.collector import paused
+from ..core.host_copies import copy_into
 from .step_inputs import ACTIVE
 
 
@@ -57,8 +58,7 @@ class GraphedCall:
         if self.graph is None or any(len(a) > len(b) for a, b in zip(args, self.inputs)):
             return self.body(*(a.to(device) for a in args))
         for buffer, value in zip(self.inputs, args):
-            # From pinned memory the copy queues on the stream and the host goes on.
-            buffer[:len(value)].copy_(value.pin_memory() if value.device.type == "cpu" else value, non_blocking=True)
+            copy_into(buffer[:len(value)], value)
         self.graph.replay()
         return self.outputs
 
@@ -74,8 +74,7 @@ class _Graph:
                                            lambda: step(self.packed, self.embeddings), packed.device)
 
     def __call__(self, packed: torch.Tensor, embeddings: torch.Tensor | None):
-        # From pinned memory the copy queues on the stream and the host goes on.
-        self.packed.copy_(packed.pin_memory() if packed.device.type == "cpu" else packed, non_blocking=True)
+        copy_into(self.packed, packed)
         if embeddings is not None:
             self.embeddings.copy_(embeddings, non_blocking=True)
         self.graph.replay()

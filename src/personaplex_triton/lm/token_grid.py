@@ -15,8 +15,12 @@ GPU would each cost a kernel launch).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
+
+from ..core.host_copies import to_device
 
 NUM_AUDIO = 8  # codebooks per audio stream
 
@@ -46,10 +50,11 @@ class TokenGrid:
         self.provided[slots, :, 0] = True
         self.offset[slots] = 1
 
-    def row(self, slot: int, device) -> "TokenGrid":
-        """A grid of one row on `device`: a copy of `slot`'s (`put_row` writes it back)."""
-        grid = TokenGrid(1, self.delays.tolist(), self.initial, self.ungenerated, device)
-        grid.cache[0], grid.provided[0], grid.offset[0] = self.cache[slot], self.provided[slot], self.offset[slot]
+    def row(self, slot: int) -> "TokenGrid":
+        """A grid of one row where this one is: a copy of `slot`'s (`put_row` writes it back),
+        made on the device without waiting for it."""
+        grid = copy.copy(self)  # the delays and initial tokens are shared: nothing writes them
+        grid.cache, grid.provided, grid.offset = (t[slot:slot + 1].clone() for t in (self.cache, self.provided, self.offset))
         return grid
 
     def fresh_row(self) -> "TokenGrid":
@@ -62,7 +67,7 @@ class TokenGrid:
     def put_row(self, slots: int | torch.Tensor, grid: "TokenGrid") -> None:
         """Copy a one-row grid into a slot (or into each slot of an index tensor)."""
         self.cache[slots], self.provided[slots], self.offset[slots] = (
-            t[0].to(self.device) for t in (grid.cache, grid.provided, grid.offset))
+            to_device(t[0], self.device) for t in (grid.cache, grid.provided, grid.offset))
 
     def read(self, rows: torch.Tensor, active, forced, is_forced):
         """Write each active row's forced tokens [b, K] (where `is_forced`) at o + delay (the
@@ -123,14 +128,12 @@ class TokenGrid:
         """Force `values` [len(slots), streams] at o + delay, as a step at position o would have.
         `slots` and `o` (each slot's position) are on the host: the index is built there and
         reaches the device in one copy (each PyTorch call lets other threads take the GIL),
-        from pinned memory on a GPU: a copy from pageable memory first waits for the stream's
-        queued work (the last tick's encode, which `values` come from), and the host with it."""
+        without waiting for the stream's queued work (host_copies.py: the last tick's encode,
+        which `values` come from)."""
         books = np.arange(self.num_codebooks)[streams]
         positions = (np.asarray(o)[:, None] + self._host_delays[streams][None, :]) % self.ring
         index = torch.from_numpy(np.stack(np.broadcast_arrays(np.asarray(slots)[:, None], books[None, :], positions)))
-        if self.device.type == "cuda":
-            index = index.pin_memory()
-        rows, codebooks, at = index.reshape(3, -1).to(self.device, non_blocking=True).unbind()
+        rows, codebooks, at = to_device(index.reshape(3, -1), self.device).unbind()
         self.cache.index_put_((rows, codebooks, at), values.reshape(-1).to(self.cache))
         self.provided.index_put_((rows, codebooks, at), self._true)
 

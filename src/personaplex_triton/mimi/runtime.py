@@ -21,6 +21,7 @@ import torch
 
 from ..core.buckets import batch_buckets, bucket_for
 from ..core.collector import paused
+from ..core.host_copies import copy_into
 from .artefacts import onnx_path, plan_path, read_metadata, stale_reason
 from .steps import STEPS, MimiStep, TensorSpec, write_state
 
@@ -115,9 +116,8 @@ class TorchStepRunner(StepRunner):
         n = len(slots)
         bucket = bucket_for(n, sorted(self._graphs))
         graph, static_x, static_rows, y = self._graphs[bucket]
-        # from pinned memory, so that the copies queue on the stream and the host goes on
-        static_x[:n].copy_(x.pin_memory() if x.device.type == "cpu" else x, non_blocking=True)
-        static_rows.copy_(torch.tensor(slots + [spare] * (bucket - n), pin_memory=True), non_blocking=True)
+        copy_into(static_x[:n], x)
+        copy_into(static_rows, torch.tensor(slots + [spare] * (bucket - n)))
         graph.replay()
         return y[:n]
 

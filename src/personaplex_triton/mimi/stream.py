@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.host_copies import to_device
 from .runtime import StepRunner
 from .steps import STEPS
 
@@ -27,7 +28,7 @@ class MimiSlots:
 
     def reset(self, slots) -> None:
         """Fresh state for these slots."""
-        rows = torch.tensor(list(slots), dtype=torch.long, device=self.state[0].device)  # one copy to the device
+        rows = to_device(torch.tensor(list(slots), dtype=torch.long), self.state[0].device)  # one copy to the device
         for tensor in self.state:
             tensor.index_fill_(0, rows, 0)
 

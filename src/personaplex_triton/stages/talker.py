@@ -243,10 +243,12 @@ class Talker:
                     self.generator.reset_model([first])
                     self._prefilling.add(key)
                     try:
-                        yield from self.play_pieces(first, prefill_program(ready[first].persona, self.lm.initial_token_id))
+                        inputs = yield from self.play_pieces(first, prefill_program(ready[first].persona,
+                                                                                    self.lm.initial_token_id))
                     finally:
                         self._prefilling.discard(key)
-                    snap = self.generator.snapshot(first)
+                    # its length from the host: read back, it would wait for the passes queued
+                    snap = self.generator.snapshot(first, filled=len(inputs))
                     self.persona_cache.put(key, snap)
                     self.settle()  # the encodes of the ticks between the pieces, before Mimi's reset
                     self.mimi.reset([first])  # Mimi starts afresh on the user's audio

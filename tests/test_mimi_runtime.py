@@ -131,7 +131,9 @@ def test_convs_as_matrix_products_match_torch(mimi):
                 else:
                     got = _conv_transpose(module, x.transpose(1, 2), io)
                     want = inner(x)[..., :length * stride]
-            torch.testing.assert_close(got.transpose(1, 2), want, atol=2e-5, rtol=1e-4)
+            # fp32 sums of up to 512 channels x 7 taps in another order: 4.3e-5 apart at worst
+            # on an AMD EPYC (2e-5 on the Xeons); a wrong tap or offset is off by the values' size
+            torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-4, rtol=1e-4)
 
 
 def test_write_state_puts_a_rings_new_entries_at_their_positions():

@@ -684,7 +684,7 @@ def test_slow_ticks_set_beside_the_usual_ones_what_else_ran_meanwhile():
 
 def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint, tmp_path):
     """bench/prefill_pieces.py on the CPU: every start prefills (no persona cache), in one
-    piece more than it has transformer passes, and its table says so."""
+    piece a transformer pass (the first with the start's setup), and its table says so."""
     from bench import prefill_pieces
 
     assert prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--name", "t"]) == 0
@@ -694,11 +694,11 @@ def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint,
     tokens = [s["prompt_tokens"] for s in starts[::2]]
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     for s in starts:
-        assert sum(s["passes"]) == s["positions"] and len(s["pieces_ms"]) == len(s["passes"]) + 1
+        assert sum(s["passes"]) == s["positions"] and len(s["pieces_ms"]) == len(s["passes"])
         assert s["longest_ms"] == max(s["pieces_ms"]) > 0
         # the counted start of its length: as many pieces, each of some calls, the first (the
-        # setup, the embeddings) more than a pass's
-        assert len(s["calls"]) == len(s["pieces_ms"]) and min(s["calls"]) > 0 and s["calls"][0] > s["calls"][1]
+        # setup, the embeddings and a pass) the most
+        assert len(s["calls"]) == len(s["pieces_ms"]) and min(s["calls"]) > 0 and s["calls"][0] == max(s["calls"])
     assert "| first |" in next(tmp_path.glob("*-t.md")).read_text()
 
 
@@ -722,7 +722,7 @@ def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpo
     assert result["live"]["live"] == 3 and result["live"]["ticks"] == 2 * (pieces + counted)
     assert all((s["calls"] is None) == stage_process for s in result["starts"])
     assert result["live"]["tick_ms_p50"] > 0 and result["stage_process"] == stage_process
-    assert all(len(s["pieces_ms"]) >= 2 and s["longest_ms"] > 0 for s in result["starts"])
+    assert all(len(s["pieces_ms"]) >= 1 and s["longest_ms"] > 0 for s in result["starts"])
     assert all((s["passes"] is None) == stage_process for s in result["starts"])
     text = next(tmp_path.glob("*-t.md")).read_text()
     assert "Beside 3 live conversations: 2 of their ticks before each piece" in text

@@ -5,7 +5,7 @@ not run: the token grid plays all the steps at once on a CPU copy of the slot's 
 (`TokenGrid.play_forced`; step by step, a 7B persona's prefill spent half its time in the
 grid's tiny ops), then the temporal transformer takes all the steps' input embeddings in
 passes, as an LLM takes a prompt, each under a CUDA graph on a GPU (prefill_graphs.py).
-`prefill_pieces` yields before each pass, so that the engine can tick the live conversations
+`prefill_pieces` yields between passes, so that the engine can tick the live conversations
 between them (engine/starts.py); `run_pieces` runs them all.
 """
 
@@ -32,8 +32,10 @@ def run_pieces(pieces: Generator):
 @torch.no_grad()  # a generator's every piece runs under it (torch's context decorators wrap generators)
 def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, embeddings: dict[int, torch.Tensor],
                    restores: dict[int, torch.Tensor]) -> Generator[None, None, torch.Tensor]:
-    """Play a persona's prefill into a freshly started `slot` of `generator`, yielding before
-    each transformer pass: `tokens` [M, 17], every stream of every step forced, in the grid's
+    """Play a persona's prefill into a freshly started `slot` of `generator`, yielding between
+    transformer passes (the first runs in the caller's piece, with the start's setup: on a GPU
+    a piece's work is queued, not waited for, so a pass adds only its graph's launch to the
+    piece, and a piece less is two ticks less before the newcomer's first audio): `tokens` [M, 17], every stream of every step forced, in the grid's
     order (text, agent's 8, user's 8); `embeddings`: step -> its input embedding [dim], in place
     of its tokens' (a voice bundle); `restores`: step -> a ring buffer the grid takes after it.
     Returns the input embeddings [M, 1, dim]. Between pieces other slots may step: this slot's
@@ -57,8 +59,9 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
         steps = to_device(torch.tensor(list(embeddings)), inputs.device)
         inputs[steps, 0] = to_device(torch.stack(list(embeddings.values())), inputs.device).to(inputs)
     end = 0
-    for chunk in inputs.transpose(0, 1).split(generator.prefill.lengths(len(tokens)), dim=1):
-        yield
+    for i, chunk in enumerate(inputs.transpose(0, 1).split(generator.prefill.lengths(len(tokens)), dim=1)):
+        if i:
+            yield
         end += chunk.shape[1]
         generator.prefill.run(slot, chunk, end)
     return inputs

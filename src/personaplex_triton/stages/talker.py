@@ -211,7 +211,7 @@ class Talker:
         Mimi's streaming state is reset once for them all. A persona in the cache is copied
         into all of its slots at once (the copy is the model's whole state: no reset of the
         model first, which is hundreds of PyTorch calls); a new one is prefilled in its first
-        slot, freshly reset, a transformer pass a piece, then copied into the others. A start
+        slot, freshly reset, a transformer pass a piece (the first with the setup), then copied into the others. A start
         that needs a persona another start is prefilling waits for it, then takes it from the
         cache."""
         return StartJob(lambda failed: self._start_pieces(setups, failed))
@@ -267,7 +267,7 @@ class Talker:
 
     def play_pieces(self, slot: int, program: Iterator[PrefillStep]):
         """`play` in pieces, yielding after every VOICE_FRAMES_A_PIECE frames a WAV voice has
-        Mimi code and before each transformer pass (prefill.py)."""
+        Mimi code and between transformer passes (prefill.py)."""
         self.settle()
         tokens, embeddings, restores, coded = [], {}, {}, 0
         for step in program:

@@ -35,7 +35,9 @@ def prefill_pieces(generator: SlotGenerator, slot: int, tokens: torch.Tensor, em
     """Play a persona's prefill into a freshly started `slot` of `generator`, yielding between
     transformer passes (the first runs in the caller's piece, with the start's setup: on a GPU
     a piece's work is queued, not waited for, so a pass adds only its graph's launch to the
-    piece, and a piece less is two ticks less before the newcomer's first audio): `tokens` [M, 17], every stream of every step forced, in the grid's
+    piece, and a piece less is two ticks less before the newcomer's first audio).
+
+    `tokens` [M, 17], every stream of every step forced, in the grid's
     order (text, agent's 8, user's 8); `embeddings`: step -> its input embedding [dim], in place
     of its tokens' (a voice bundle); `restores`: step -> a ring buffer the grid takes after it.
     Returns the input embeddings [M, 1, dim]. Between pieces other slots may step: this slot's

@@ -4,8 +4,8 @@ weights, prompts and input audio: text and the agent's 8 codebooks of every fram
 
 `tests/data/reference_tokens.json` holds the reference's tokens on the generated checkpoint,
 one recording per checkpoint digest (the generator calibrates the random weights with forward
-passes, whose last bits vary with the CPU's vector units: an AMD EPYC and an Intel Xeon with
-AVX-512 each build their own), recorded with a checkout of NVIDIA/personaplex (commit 3428dfd) by
+passes, whose last bits vary with the CPU's vector units: three kinds seen here, an Intel Xeon
+with AVX-512, an AMD EPYC and an AMD EPYC with AVX2 only, each build their own), recorded with a checkout of NVIDIA/personaplex (commit 3428dfd) by
 
     PERSONAPLEX_REFERENCE=/path/to/personaplex/moshi .venv/bin/python tests/test_fidelity.py --record
 

@@ -27,6 +27,7 @@ from personaplex_gateway.readiness import wait_answering
 from personaplex_gateway.voices import voices_in_checkpoint
 from personaplex_stream.audio import read_wav
 from personaplex_triton.core.metrics import scrape
+from personaplex_triton.serving.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -36,12 +37,6 @@ FRAME = contract.FRAME_SAMPLES
 FRAME_S = FRAME / contract.SAMPLE_RATE
 SECONDS = 2.0  # each conversation's user audio
 CHUNK = 4800  # 0.2 s a message: 2.5 frames, so the gateway must re-frame
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

@@ -96,3 +96,14 @@ def test_a_stub_that_outlives_tritonserver_is_killed(tmp_path):
         launcher.kill()
         if pid_file.exists() and pid_file.read_text() and _alive_not_zombie(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_servers_ports_are_distinct():
+    """The launcher's HTTP, gRPC and metrics ports are bound together before any is handed out:
+    bound and closed one by one, the system may hand out one port twice (a test server's HTTP
+    and metrics ports once did, and tritonserver would not start)."""
+    from personaplex_triton.serving.launch import free_ports
+
+    for _ in range(20):
+        ports = free_ports(50)
+        assert len(set(ports)) == 50 and all(port > 0 for port in ports)

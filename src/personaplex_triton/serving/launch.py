@@ -14,6 +14,7 @@ It stays tritonserver's parent: on SIGTERM or SIGINT it shuts the server down gr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
@@ -226,10 +227,18 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now: each socket stays bound until all are, so the system
+    cannot hand one port out twice (one server's HTTP and metrics ports once came out equal)."""
+    with contextlib.ExitStack() as bound:
+        sockets = [bound.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("localhost", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class TritonServer:
@@ -244,7 +253,7 @@ class TritonServer:
     def __init__(self, model_repository: Path = MODEL_REPOSITORY, env: dict | None = None,
                  log_path: Path | None = None, timeout_s: float = 600, admin_key: str | None = None):
         self.model_repository = model_repository
-        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.extra_env = env or {}
         self.log_path = log_path
         self.timeout_s = timeout_s

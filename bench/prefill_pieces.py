@@ -294,7 +294,7 @@ def markdown(result: dict, plot_name: str) -> str:
              "| ---: | ---: | --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     for s in result["starts"]:
         lines.append(f"| {s['prompt_tokens']} | {report.cell(s['positions'])} | {report.cells(s['passes'])} | "
-                     f"{'first' if s['turn'] == 1 else 'second'} | {', '.join(map(str, s['pieces_ms']))} | {s['ms']} | "
+                     f"{'first' if s['turn'] == 1 else 'second'} | {report.cells(s['pieces_ms'])} | {s['ms']} | "
                      f"{s['longest_ms']} | {report.cells(s.get('calls'))} | {report.cell(s['device_allocs'])} | {report.cell(s['alloc_retries'])} | "
                      f"{report.cell(s['kernels_compiled'])} |")
     return "\n".join(lines + ["", f"![pieces]({plot_name})", ""])

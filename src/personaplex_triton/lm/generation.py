@@ -141,8 +141,9 @@ class SlotGenerator:
 
     def restore(self, slots: list[int], snap: dict) -> None:
         """Put a snapshot (of any slot) into each of `slots`."""
-        self.grid.put_row(to_device(torch.tensor(slots), self.device), snap["grid"])
-        self.states.restore(slots, snap["modules"])
+        index = to_device(torch.tensor(slots), self.device)
+        self.grid.put_row(index, snap["grid"])
+        self.states.restore(index, snap["modules"])
 
     def embed_prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """`embed` of a prefill's tokens [M, 17] (on any device), its own copy."""

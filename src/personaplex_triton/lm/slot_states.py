@@ -19,7 +19,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ..core.host_copies import to_device
 from .kv_cache import store
 
 
@@ -194,16 +193,17 @@ class SlotStates:
             snap["kv"] = torch.stack([kv.cache[:, slot, :, :entries] for kv in rings])
         return snap
 
-    def restore(self, slots: list[int], snap: dict) -> None:
+    def restore(self, slots: torch.Tensor, snap: dict) -> None:
         """Put a snapshot (of any slot, of a pool whose KV cache may hold another dtype) into
-        each of `slots`, all at once: per name, the pool's tensors stacked, the slots' rows
-        written and the stack copied back in one call; the caches' entries a call a layer."""
-        index = to_device(torch.tensor(slots), self.states()[0].exec_mask.device)
+        each of `slots` (an index tensor on the pool's device), all at once: per name, the pool's
+        tensors stacked, the slots' rows written and the stack copied back in one call; the
+        caches' entries a call a layer."""
         for name, values in self._rows_by_name().items():
             pool = torch.stack(values)
-            pool[:, index] = snap["rows"][name].unsqueeze(1).to(pool)
+            pool[:, slots] = snap["rows"][name].unsqueeze(1).to(pool)
             torch._foreach_copy_(values, list(pool.unbind(0)))
         if "kv" in snap:
-            kv = store(snap["kv"], self._rings()[0].cache.dtype)
-            for ring, layer in zip(self._rings(), kv.unbind(0), strict=True):  # a kernel a layer, whatever the slots
-                ring.cache[:, index, :, :layer.shape[2]] = layer.unsqueeze(1)
+            rings = self._rings()
+            kv = store(snap["kv"], rings[0].cache.dtype)
+            for ring, layer in zip(rings, kv.unbind(0), strict=True):  # a kernel a layer, whatever the slots
+                ring.cache[:, slots, :, :layer.shape[2]] = layer.unsqueeze(1)

@@ -18,7 +18,7 @@ import torch
 from moshi.utils.compile import no_cuda_graph
 
 from ..core.collector import paused
-from ..core.host_copies import copy_into
+from ..core.host_copies import copy_into, to_device
 from .step_inputs import ACTIVE
 
 
@@ -56,7 +56,7 @@ class GraphedCall:
     def __call__(self, *args: torch.Tensor):
         device = self.inputs[0].device
         if self.graph is None or any(len(a) > len(b) for a, b in zip(args, self.inputs)):
-            return self.body(*(a.to(device) for a in args))
+            return self.body(*(to_device(a, device) for a in args))
         for buffer, value in zip(self.inputs, args):
             copy_into(buffer[:len(value)], value)
         self.graph.replay()
@@ -76,7 +76,7 @@ class _Graph:
     def __call__(self, packed: torch.Tensor, embeddings: torch.Tensor | None):
         copy_into(self.packed, packed)
         if embeddings is not None:
-            self.embeddings.copy_(embeddings, non_blocking=True)
+            copy_into(self.embeddings, embeddings)
         self.graph.replay()
         return self.outputs
 

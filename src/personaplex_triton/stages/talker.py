@@ -211,9 +211,9 @@ class Talker:
         Mimi's streaming state is reset once for them all. A persona in the cache is copied
         into all of its slots at once (the copy is the model's whole state: no reset of the
         model first, which is hundreds of PyTorch calls); a new one is prefilled in its first
-        slot, freshly reset, a transformer pass a piece (the first with the setup), then copied into the others. A start
-        that needs a persona another start is prefilling waits for it, then takes it from the
-        cache."""
+        slot, freshly reset, a transformer pass a piece (the first with the setup), then copied
+        into the others. A start that needs a persona another start is prefilling waits for it,
+        then takes it from the cache."""
         return StartJob(lambda failed: self._start_pieces(setups, failed))
 
     def _start_pieces(self, setups: dict[int, "TalkerSetup"], failed: Failed,

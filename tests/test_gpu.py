@@ -344,7 +344,7 @@ def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once
                 tick({1: frames[len(answers[1])]})
         for _ in range(0 if interleaved else pieces):
             tick({1: frames[len(answers[1])]})
-        assert job.failed == {} and pieces >= 3
+        assert job.failed == {} and pieces >= 2  # the setup piece runs the first pass; at least two more between live ticks
         while len(answers[2]) < len(frames):
             tick({2: frames[len(answers[2])], **({1: frames[len(answers[1])]} if len(answers[1]) < len(frames) else {})})
         talker.stop(1), talker.stop(2)

@@ -117,6 +117,18 @@ def test_the_stage_process_parameter_is_on_by_default_on_a_gpu_only_and_refuses_
         stage_process({"stage_process": "yes"}, "cpu")
 
 
+def test_send_threads_are_several_where_the_stage_ticks_in_its_own_process_and_refuse_other_words():
+    from personaplex_triton.core import loaders
+    from personaplex_triton.serving.stage_builds import send_threads
+
+    assert send_threads({}, own_process=True) == loaders.STAGE_PROCESS_SEND_THREADS > 1
+    assert send_threads({"send_threads": "auto"}, own_process=False) == 1
+    assert send_threads({"send_threads": " 3 "}, own_process=False) == 3
+    for word in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ValueError, match=f'send_threads must be "auto" or a whole number of at least 1, got \'{word}\''):
+            send_threads({"send_threads": word}, own_process=True)
+
+
 def test_a_ctrl_c_to_the_process_group_leaves_the_child_to_the_stub(echo):
     """A terminal's Ctrl-C (SIGINT to every process of the group) must not end the child under
     a stub that is still draining: the stub ends it."""

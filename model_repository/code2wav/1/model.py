@@ -3,7 +3,7 @@
 from personaplex_triton.core import loaders, seam
 from personaplex_triton.serving.serving import Code2WavService, load_log_lines, pick_device
 from personaplex_triton.serving.shutdown import mark_finalized, register
-from personaplex_triton.serving.stage_builds import stage_process
+from personaplex_triton.serving.stage_builds import send_threads, stage_process
 from personaplex_triton.serving.triton_adapter import (
     TritonMetrics, instance_gpu, loaded, log_info, model_parameters, request_arrays, responder, route_library_logs)
 
@@ -15,12 +15,13 @@ class TritonPythonModel:
         route_library_logs()
         params = model_parameters(args)
         device = pick_device(params.get("device", "auto"), instance_gpu(args))
+        own_process = stage_process(params, device)
         self.service = Code2WavService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"], device,
-            params["mimi_runtime"], send_threads=int(params.get("send_threads", "1")),
-            stage_process=stage_process(params, device),
+            params["mimi_runtime"], send_threads=send_threads(params, own_process),
+            stage_process=own_process,
             metrics=TritonMetrics(args["model_name"]))
-        for line in load_log_lines(args["model_name"], self.service.info):
+        for line in load_log_lines(args["model_name"], self.service.info, self.service.send_threads):
             log_info(line)
         self.instance = args["model_instance_name"]
         register(self.instance, drains=False)  # the talker ends its sequences at shutdown

@@ -4,7 +4,7 @@ import numpy as np
 
 from personaplex_triton.core import contract, loaders, seam
 from personaplex_triton.serving.serving import TalkerService, load_log_lines, pick_device, seam_frame
-from personaplex_triton.serving.stage_builds import stage_process, talker_options
+from personaplex_triton.serving.stage_builds import send_threads, stage_process, talker_options
 from personaplex_triton.serving.triton_adapter import (
     ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 
@@ -17,12 +17,13 @@ class TritonPythonModel(ConversationModel):
         route_library_logs()
         params = model_parameters(args)
         device = pick_device(params.get("device", "auto"), instance_gpu(args))
+        own_process = stage_process(params, device)
         service = TalkerService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"], device,
             float(params["idle_timeout_s"]), mimi_runtime=params["mimi_runtime"],
-            send_threads=int(params.get("send_threads", "1")), stage_process=stage_process(params, device),
+            send_threads=send_threads(params, own_process), stage_process=own_process,
             metrics=TritonMetrics(args["model_name"]), **talker_options(params))
-        for line in load_log_lines(args["model_name"], service.info):
+        for line in load_log_lines(args["model_name"], service.info, service.send_threads):
             log_info(line)
         self.serve_conversations(args, service, INPUTS)
 

@@ -6,7 +6,7 @@ import numpy as np
 from personaplex_triton.core import contract, loaders
 from personaplex_triton.serving.serving import load_log_lines, pick_device
 from personaplex_triton.serving.speech import SpeechService
-from personaplex_triton.serving.stage_builds import stage_process, talker_options
+from personaplex_triton.serving.stage_builds import send_threads, stage_process, talker_options
 from personaplex_triton.serving.triton_adapter import (
     ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 
@@ -18,16 +18,17 @@ class TritonPythonModel(ConversationModel):
         route_library_logs()
         params = model_parameters(args)
         device = pick_device(params.get("device", "auto"), instance_gpu(args))
+        own_process = stage_process(params, device)
         service = SpeechService(
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"],
             device, params["decoder_conversations"],
-            params["mimi_runtime"], int(params.get("send_threads", "1")),
+            params["mimi_runtime"], send_threads(params, own_process),
             # The stages' metrics keep their own labels: dashboards and the health check read them.
             talker_metrics=TritonMetrics("talker"), code2wav_metrics=TritonMetrics("code2wav"),
-            idle_timeout_s=float(params["idle_timeout_s"]), stage_process=stage_process(params, device),
+            idle_timeout_s=float(params["idle_timeout_s"]), stage_process=own_process,
             **talker_options(params))
         for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
-            for line in load_log_lines(stage, stage_service.info):
+            for line in load_log_lines(stage, stage_service.info, stage_service.send_threads):
                 log_info(line)
         self.serve_conversations(args, service, INPUTS)
 

@@ -112,6 +112,14 @@ START_PIECE_SPACING_TICKS = 2
 # threads take it, and Python makes a thread that wants it back wait up to the switch interval
 # (5 ms by default) for the holder to let go, at each of the tick's waits.
 GPU_GIL_SWITCH_S = 0.0005
+# Send threads (outbox lanes) of a stage whose ticks run in a process of their own. Each send is
+# a round trip to tritonserver that waits with the GIL released, so a lane's rate is set by the
+# wake-ups of two processes: on an H100 host one lane sent 1,735 answers in a second at best,
+# and about 450 a second through the hypervisor's steal episodes (13-18% steal) while 55
+# conversations asked for 687; the backlog reached 9.8 s (2026-12-06, docs/gpu-serving.md).
+# Lanes overlap the round trips. In the stub they once cost the tick its GIL (a tick 17.4 ->
+# 24.7 ms at 64 on the H200); with the tick in its own process, only the stub's threads share it.
+STAGE_PROCESS_SEND_THREADS = 4
 
 # Threads of a stage's process on a CPU. PyTorch's intra-op threads: 1. The LM's ops are small,
 # and an OpenMP team whose cores are shared (the other stage's process, Triton, anything else)

@@ -60,9 +60,10 @@ MIMI_RUNTIME = Parameter("mimi_runtime", "auto",
 CHECKPOINT = Parameter("checkpoint", "", '"" serves $PERSONAPLEX_CHECKPOINT, else the generated checkpoints/tiny '
                                          "of this repository.")
 DEVICE = Parameter("device", "auto", "auto: the instance's GPU where there is one, else the CPU.")
-SEND_THREADS = Parameter("send_threads", "1", "Threads that send a tick's answers, each its own conversations' in "
-                                             "order: a send is a round trip to tritonserver, and several can be "
-                                             "in flight at once.")
+SEND_THREADS = Parameter("send_threads", "auto", "Threads that send a tick's answers, each its own conversations' "
+                                                "in order: a send is a round trip to tritonserver, and several can "
+                                                "be in flight at once; auto: 4 where the stage runs in a process of "
+                                                "its own (stage_process), else 1.")
 STAGE_PROCESS = Parameter("stage_process", "auto", "true: the stage (its model and its ticks) runs in a process "
                                                  "of its own beside the stub, so that its ticks never wait for the "
                                                  "stub's GIL (its request and send threads); auto: on a GPU, not on "

@@ -159,10 +159,11 @@ def warmed_log_line(model: str, voices: list[str]) -> str:
     return f"{model}: personas prefilled at load: {', '.join(voices) or 'none'}"
 
 
-def load_log_lines(model: str, info: StageInfo) -> list[str]:
-    """What a stage's model logs once loaded: its Mimi runtime, its pool and, for the talker,
-    the personas prefilled (the benchmarks read them back from the server's log)."""
-    lines = [f"{model}: {info.mimi}", slots_log_line(model, info.slots, info.slots_why)]
+def load_log_lines(model: str, info: StageInfo, send_threads: int) -> list[str]:
+    """What a stage's model logs once loaded: its Mimi runtime, its pool, its send threads and,
+    for the talker, the personas prefilled (the benchmarks read them back from the server's log)."""
+    lines = [f"{model}: {info.mimi}", slots_log_line(model, info.slots, info.slots_why),
+             f"{model}: {send_threads} send thread(s)"]
     return lines + ([] if info.warmed is None else [warmed_log_line(model, info.warmed)])
 
 
@@ -193,6 +194,7 @@ class TalkerService:
             checkpoint=checkpoint, max_conversations=max_conversations, device=device,
             persona_cache_size=persona_cache_size, mimi_runtime=mimi_runtime, warm_personas=warm_personas,
             dtype=dtype, kv_dtype=kv_dtype), stage_process, self.metrics)
+        self.send_threads = send_threads
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
                                  admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
@@ -285,6 +287,7 @@ class Code2WavService:
             stage_process, self.metrics)
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
+        self.send_threads = send_threads
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics,
                                  gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)

@@ -35,6 +35,19 @@ def stage_process(params: dict[str, str], device: str) -> bool:
     return device.startswith("cuda") if value == "auto" else value == "true"
 
 
+def send_threads(params: dict[str, str], own_process: bool) -> int:
+    """A model's `send_threads` parameter: the threads that send its answers (outbox lanes);
+    "auto": loaders.STAGE_PROCESS_SEND_THREADS where the stage ticks in a process of its own
+    (`own_process`), else 1 (the tick shares the stub's GIL with them; on a few CPU cores more
+    lanes only contend)."""
+    value = params.get("send_threads", "auto").strip().lower()
+    if value == "auto":
+        return loaders.STAGE_PROCESS_SEND_THREADS if own_process else 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f'parameter send_threads must be "auto" or a whole number of at least 1, got {value!r}')
+    return int(value)
+
+
 def talker_options(params: dict[str, str]) -> dict:
     """The talker's options of a model's parameters, as `TalkerService` takes them: the talker's
     and speech's models (model_configs.PARAMETERS) both serve one."""

@@ -10,7 +10,8 @@ from personaplex_triton.engine.starts import StartJob
 class EchoStage:
     """Each slot answers item x with (x, its process id, how many items it has seen). A tick
     with the item "fault" fails naming its slot; "exit" ends the process, as a crash would.
-    A start's setup "pieces" starts in three pieces; a setup "bad" cannot start."""
+    A start's setup "pieces" starts in three pieces; a setup "bad" cannot start. A tick with
+    the item "unsendable" answers what cannot be pickled; stopping slot -1 fails."""
 
     def __init__(self, num_slots, emit):
         self.num_slots = num_slots
@@ -39,6 +40,8 @@ class EchoStage:
         return StartJob(pieces)
 
     def stop(self, slot):
+        if slot < 0:
+            raise IndexError(f"no slot {slot}")
         self.stopped.append(slot)
 
     def tick(self, items):
@@ -48,12 +51,26 @@ class EchoStage:
                 raise SlotFault(slot, f"slot {slot} cannot step")
             if item == "exit":
                 os._exit(3)
+            if item == "unsendable":
+                out[slot] = lambda: None
+                continue
             if item == "stopped":
                 out[slot] = list(self.stopped)
                 continue
             self.seen[slot] += 1
             out[slot] = (item, os.getpid(), self.seen[slot])
         return out
+
+
+def _refuse_to_be_read():
+    raise ValueError("this object cannot be read in the stage's process")
+
+
+class Unreadable:
+    """Pickles here; unpickling it (in the child) raises."""
+
+    def __reduce__(self):
+        return _refuse_to_be_read, ()
 
 
 def build_echo(num_slots, emit):

@@ -58,6 +58,17 @@ def test_a_slot_fault_crosses_with_its_slot_and_the_stage_goes_on(echo):
     assert echo.tick({0: "a"}) == {0: ("a", echo.pid, 2)}  # the failed tick had counted slot 0's item
 
 
+def test_a_call_unread_or_unanswerable_and_a_failing_stop_fail_alone_and_the_stage_goes_on(echo):
+    with pytest.raises(RuntimeError, match="could not read the call: .*cannot be read in the stage's process"):
+        echo.tick({0: stage_doubles.Unreadable()})
+    with pytest.raises(RuntimeError, match="the echo stage's answer could not be sent back: .*pickle local object"):
+        echo.tick({0: "unsendable"})
+    echo.stop(-1)  # fails in the child, which logs it
+    echo.stop(1)
+    assert echo.tick({0: "stopped"}) == {0: [1]}
+    assert echo.tick({0: "a"}) == {0: ("a", echo.pid, 1)}  # the unanswered tick counted slot 0's item
+
+
 def test_a_build_that_fails_raises_its_error_here():
     with pytest.raises(RuntimeError, match="this stage cannot be built"):
         StageProcess("broken", stage_doubles.build_failing, {})

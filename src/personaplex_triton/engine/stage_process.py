@@ -199,24 +199,42 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def serve(conn: Connection) -> None:
-    """Build the stage, then run each message in order until `close` or the parent is gone."""
+def serve(conn: Connection, name: str = "stage") -> None:
+    """Build the stage, then run each message in order until `close` or the parent is gone. A
+    call that fails, that cannot be read or whose answer cannot be sent back is answered with
+    its error; a stop that fails is logged: the process goes on for the other slots."""
     events: list[tuple] = []
     jobs: dict[int, Any] = {}
     job_ids = itertools.count()
     stage = None
 
     def answer(ok: bool, value) -> None:
-        conn.send_bytes(pickle.dumps((ok, value, events[:]), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            payload = pickle.dumps((ok, value, events[:]), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # an answer that cannot cross fails its call, not the process
+            log.warning("an answer could not be pickled", exc_info=True)
+            payload = pickle.dumps((False, RuntimeError(f"the {name} stage's answer could not be sent back: {exc}"),
+                                    events[:]))
+        conn.send_bytes(payload)
         events.clear()
 
     while True:
         try:
-            op, *args = pickle.loads(conn.recv_bytes())
+            message = conn.recv_bytes()
         except (EOFError, OSError):  # the stub is gone
             break
+        try:
+            op, *args = pickle.loads(message)
+        except Exception as exc:
+            # Not a stop (a slot number always reads), so a call whose caller waits: answer it.
+            log.warning("a call could not be read", exc_info=True)
+            answer(False, RuntimeError(f"the {name} stage's process could not read the call: {exc!r}"))
+            continue
         if op == "stop":
-            stage.stop(*args)
+            try:
+                stage.stop(*args)
+            except Exception:  # nobody waits for a stop's answer: log it, keep the other slots
+                log.exception("stopping slot %s failed", args)
             continue
         try:
             if op == "build":
@@ -270,4 +288,4 @@ def main() -> None:
     # this process (`close`, or its pipe's end), after the stub's last tick.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=f"{name} stage %(levelname)s %(name)s: %(message)s")
-    serve(Connection(fd))
+    serve(Connection(fd), name)

@@ -4,6 +4,7 @@ its results as a Markdown table file, JSON and PNG plots."""
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import platform
 import re
@@ -162,6 +163,25 @@ def dumps(result: dict) -> str:
     text = json.dumps(result, indent=1)
     # Only indentation puts a raw newline in JSON (strings escape theirs), so this touches no string.
     return re.sub(r"\[\n[-0-9.eE+,\s]*\]", lambda m: re.sub(r"\s+", "", m.group()), text) + "\n"
+
+
+# A load result keeps every frame's latency: about 1 MB of JSON a 4-minute level, a fifth of it
+# compressed. The checkout travels to the lent GPU beside the server's wheels, 64 MiB a call.
+LOAD_RESULT_SUFFIX = ".json.xz"
+
+
+def write_load_result(result: dict, out: Path, stem: str) -> Path:
+    """`result` (bench.run's) as out/stem.json.xz: `dumps`' JSON, xz-compressed
+    (`xz -dk FILE` gives the JSON)."""
+    path = out / f"{stem}{LOAD_RESULT_SUFFIX}"
+    path.write_bytes(lzma.compress(dumps(result).encode()))
+    return path
+
+
+def read_result(path: Path) -> dict:
+    """A result's JSON, from its .json or .json.xz file."""
+    data = path.read_bytes()
+    return json.loads(lzma.decompress(data) if path.name.endswith(".xz") else data)
 
 
 def save(result: dict, out: Path, stem: str, markdown, plot) -> None:

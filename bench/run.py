@@ -187,9 +187,9 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
         result["plots"].append(f"{stem}-perf-analyzer.png")
     text = report.markdown(result)
     (args.out / f"{stem}.md").write_text(text)
-    (args.out / f"{stem}.json").write_text(report.dumps(result))
+    report.write_load_result(result, args.out, stem)
     print(text)
-    log(f"[done] {args.out / stem}.md, .json and plots, in {header['wall_s']} s")
+    log(f"[done] {args.out / stem}.md, {report.LOAD_RESULT_SUFFIX} and plots, in {header['wall_s']} s")
     return 0
 
 

@@ -14,7 +14,6 @@ writes bench/results/<date>-<name>-runs.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ def load_level(conversations: int, seconds: float, options: list[str]) -> dict:
         subprocess.run([sys.executable, "-m", "bench.run", *options, "--stages", "load",
                         "--conversations", str(conversations), "--seconds", str(seconds),
                         "--out", out, "--name", "run"], check=True, capture_output=True, cwd=report.REPO_ROOT)
-        return json.loads(next(Path(out).glob("*.json")).read_text())["load"][0]
+        return report.read_result(next(Path(out).glob(f"*{report.LOAD_RESULT_SUFFIX}")))["load"][0]
 
 
 def one_run(url: str, conversations: int, seconds: float) -> dict:

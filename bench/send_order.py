@@ -21,7 +21,7 @@ join always waited longest.
   follows the talker's. Join order against oldest first: p50, p99, frames over 80 ms, and the p99
   of the first and the last conversation to join. A model, not a measurement.
 
-    python -m bench.send_order --result bench/results/2026-12-05-h200-n64-240s-bf16.json --name h200-a8cdabc
+    python -m bench.send_order --result bench/results/2026-12-05-h200-n64-240s-bf16.json.xz --name h200-a8cdabc
 
 writes bench/results/<date>-send-order-<name>.{md,json,png}.
 """
@@ -29,7 +29,6 @@ writes bench/results/<date>-send-order-<name>.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -136,7 +135,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--result", type=Path, help="a bench.run result JSON: its first level, by start quarter")
+    parser.add_argument("--result", type=Path, help="a bench.run result (.json.xz, or .json): its first level, by start quarter")
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--tick-fixed-ms", type=float, default=11.9)
@@ -149,7 +148,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model = {key: getattr(args, key) for key in ("conversations", "seconds", "tick_fixed_ms", "tick_per_frame_ms",
                                                  "send_ms", "code2wav_tick_ms", "code2wav_send_ms", "other_ms")}
-    measured = by_start_quarter(json.loads(args.result.read_text())["load"][0]) if args.result else []
+    measured = by_start_quarter(report.read_result(args.result)["load"][0]) if args.result else []
     started = report.now()
     result = report.run_record("bench.send_order", argv, args.commit, started, model=model, measured=measured,
                                measured_from=str(args.result) if args.result else None,

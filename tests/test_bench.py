@@ -283,16 +283,15 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     """bench.run's load stage, briefly: 2 conversations aged by 10 unpaced frames, then 3 s
     paced, the last seat turned over to a new persona after 1.5 s; every paced frame is kept and
     only those, the verdict names its reasons, the header its KV dtype and lengths."""
-    import json
-
     from bench import run
 
     assert run.main(["--url", server.grpc_url, "--server-log", str(server.log_path), "--stages", "load",
                      "--conversations", "2", "--seconds", "3", "--aged-context", "10", "--persona-every", "1.5",
                      "--trace-dir", str(server.trace_dir), "--metrics-url", server.metrics_url,
                      "--out", str(tmp_path), "--name", "t"]) == 0
-    [saved] = tmp_path.glob("*-t-aged10.json")
-    result = json.loads(saved.read_text())
+    [saved] = tmp_path.glob(f"*-t-aged10{report.LOAD_RESULT_SUFFIX}")
+    result = report.read_result(saved)
+    stem = saved.name.removesuffix(report.LOAD_RESULT_SUFFIX)
     h = result["header"]
     assert (h["aged_context_frames"], h["conversation_s"], h["persona_every_s"]) == (10, 3.04, 1.5)
     assert h["talker"]["kv_dtype"] and h["talker"]["max_conversations"] == loaders.CPU_TALKER_SLOTS
@@ -314,7 +313,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert "trace" not in row  # the segments would count the aged frames; the ticks above do not
     # the new persona's start, from the server's log (the aged ones started before the paced part)
     assert row["starts"]["count"] >= 1 and 0 < row["starts"]["longest_piece_ms_max"] <= row["starts"]["ms_max"]
-    text = (tmp_path / saved.name.replace(".json", ".md")).read_text()
+    text = (tmp_path / f"{stem}.md").read_text()
     assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
     assert "### The talker's starts" in text and "### What new personas' starts cost" in text
     assert row["client"]["processes"] == 1 and "### The load generator" in text
@@ -330,7 +329,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert prefills and all(p["pieces"] > 1 and p["ticks_ms"] and all(ms > 0 for ms in p["ticks_ms"]) for p in prefills)
     assert all(len(p["pieces_ms"]) == p["pieces"] and p["begin_ms"] >= 0 for p in prefills)  # as the loop saw them
     assert "Each new persona's start" in text and "Each prefill on its own" in text
-    assert (tmp_path / saved.name.replace(".json", "-load.png")).exists()
+    assert (tmp_path / f"{stem}-load.png").exists()
 
 
 @pytest.mark.integration

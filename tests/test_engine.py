@@ -366,6 +366,67 @@ def test_a_tick_out_of_gpu_memory_keeps_the_live_conversations_and_refuses_newco
         engine.shutdown()
 
 
+def test_while_the_sends_fall_behind_newcomers_are_refused_and_the_live_answers_all_arrive(monkeypatch):
+    """A send that stalls (a host too busy to send in real time) holds the answers behind it: past
+    SENDS_BEHIND_LIMIT_S a newcomer is refused with a clear reason, the heartbeat reports how far
+    behind, and once the sends catch up every live frame is answered in order and newcomers are
+    admitted again."""
+    from personaplex_triton.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "SENDS_BEHIND_LIMIT_S", 0.1)
+
+    class Behind(RecordingMetrics):
+        def __init__(self):
+            super().__init__()
+            self.behind = []
+
+        def sends_behind(self, seconds):
+            self.behind.append(seconds)
+
+    unstall = threading.Event()
+
+    class StalledSender(Collector):
+        def on_output(self, output, index, last):
+            if index == 0:
+                unstall.wait(10)
+            super().on_output(output, index, last)
+
+    metrics = Behind()
+    engine = SlotEngine(CountingStage(3), metrics=metrics)
+    try:
+        engine.open(1, None)
+        live = StalledSender()
+        engine.submit(1, ["a", "b", "c"], live.on_output, live.on_done)
+        assert wait_until(lambda: engine.sends_behind_s() > 0.1)
+        with pytest.raises(ConversationError, match=r"at capacity: the answers leave \d+\.\d\d s after their ticks"):
+            engine.open(2, None)
+        assert wait_until(lambda: any(b > 0.1 for b in metrics.behind))
+        unstall.set()
+        live.wait()
+        assert live.outputs == [("a", 1), ("b", 2), ("c", 3)] and live.errors == [None]
+        assert engine.sends_behind_s() < 0.1
+        engine.open(2, None)
+        assert metrics.rejected_reasons == []  # a refused open is the caller's to count (the service's)
+    finally:
+        unstall.set()
+        engine.shutdown()
+
+
+def test_a_later_stage_s_sends_behind_refuse_newcomers_too(monkeypatch):
+    """In one stub the talker's answers go on through code2wav's sends: its admission counts them."""
+    downstream = [0.0]
+    engine = SlotEngine(CountingStage(2), downstream_behind_s=lambda: downstream[0])
+    try:
+        engine.open(1, None)
+        downstream[0] = 2.5
+        with pytest.raises(ConversationError, match="at capacity: the answers leave 2.50 s after their ticks"):
+            engine.open(2, None)
+        downstream[0] = 0.0
+        engine.open(2, None)
+    finally:
+        engine.shutdown()
+
+
 def test_tick_failing_twice_ends_its_conversations_and_the_engine_goes_on():
     stage = FaultyStage(2)
     engine = SlotEngine(stage)

@@ -179,6 +179,7 @@ def test_metrics_on_the_prometheus_endpoint(faulty):
         assert samples[f"personaplex_frame_latency_seconds_count{label}"] >= samples[f"personaplex_frames_total{label}"]
         assert samples[f"personaplex_engine_up{label}"] == 1
         assert abs(samples[f"personaplex_engine_heartbeat_seconds{label}"] - time.time()) < 15
+        assert 0 <= samples[f"personaplex_sends_behind_seconds{label}"] < 0.25  # idle: nothing waits to be sent
         assert f"personaplex_conversations_prefilling{label}" in samples
         collections = {series_labels(series)["generation"]: value for series, value in samples.items()
                        if series.startswith("personaplex_gc_pause_seconds_count{")

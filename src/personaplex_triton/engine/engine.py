@@ -66,13 +66,16 @@ class SlotEngine:
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
                  gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
-                 piece_spacing_ticks: int = 1, send_threads: int = 1):
+                 piece_spacing_ticks: int = 1, send_threads: int = 1,
+                 downstream_behind_s: Callable[[], float] | None = None):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
         `gather`, `gather_max_s`, `admission_tick_s`, `min_tick_interval_s`,
         `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
-        answers (outbox.py)."""
+        answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage
+        that these conversations' answers go through are (one stub: code2wav's `sends_behind_s`),
+        which admission counts with this engine's own."""
         self.stage = stage
         self.name = name
         self.metrics = metrics or Metrics()
@@ -85,7 +88,8 @@ class SlotEngine:
         self._admitting = True
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
-        outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
+        self._downstream_behind_s = downstream_behind_s or (lambda: 0.0)
+        self._outbox = outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
             f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE),
             lanes=send_threads, lane_of=lambda answer: answer.conversation.key)
         ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults,
@@ -109,11 +113,15 @@ class SlotEngine:
             if not self._admitting:
                 raise ConversationError("the server is shutting down; no new conversations", reasons.UNAVAILABLE)
             if key not in self._table.open:
-                late = self.scheduler.admission_error(len(self._table.live()))
+                late = self.scheduler.admission_error(len(self._table.live()), self.sends_behind_s())
                 if late is not None:
                     raise ConversationError(late, reasons.NO_FREE_SLOT)
             self._table.admit(key, setup, restart)
             self._cond.notify()
+
+    def sends_behind_s(self) -> float:
+        """How long the oldest answer not yet sent has waited, here or downstream."""
+        return max(self._outbox.behind_s(), self._downstream_behind_s())
 
     def is_open(self, key: int) -> bool:
         with self._cond:

@@ -23,7 +23,7 @@ from ..core.metrics import Metrics
 from .answers import finish
 from .conversations import Conversation, ConversationTable
 from .outbox import Outbox
-from .scheduler import Scheduler
+from .scheduler import SENDS_BEHIND_LIMIT_S, Scheduler
 from .stage_process import StageProcessDied
 from .starts import StartJob, begin_starts
 from .ticker import Ticker
@@ -35,6 +35,7 @@ STARTED_LOG = ("%s: started %d conversation(s) in %.1f ms over %d piece(s), the 
                "begun in %.1f ms, pieces %s ms")
 HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
 CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
+BEHIND_WARNING_S = 10.0  # while the sends fall behind, the log says so at most this often
 
 
 @dataclass
@@ -72,6 +73,7 @@ class EngineLoop(threading.Thread):
         self.running = True  # under the lock: False ends the loop at its next pass
         self._starts: list[_Start] = []
         self._last_cancel_poll = self._last_beat = 0.0
+        self._last_behind_warning = -BEHIND_WARNING_S
         self._occupancy: tuple[int, int] | None = None
 
     def run(self) -> None:
@@ -127,6 +129,13 @@ class EngineLoop(threading.Thread):
             # a stage in a process of its own that died while idle: the engine stops (run)
             getattr(self.stage, "raise_if_dead", lambda: None)()
             self.metrics.alive(True)
+            behind = self._outbox.behind_s()
+            self.metrics.sends_behind(behind)
+            if behind > SENDS_BEHIND_LIMIT_S and now - self._last_behind_warning >= BEHIND_WARNING_S:
+                self._last_behind_warning = now
+                log.warning("%s: the answers leave %.2f s after their ticks: its %d send thread(s) cannot keep up "
+                            "(a busy host?); new conversations are refused meanwhile",
+                            self.name, behind, self._outbox.lanes)
 
     def _poll_cancelled(self, now: float) -> None:
         """Ask each conversation's oldest pending request whether its client is gone (a client

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any, Callable
 
@@ -27,7 +28,8 @@ class _Lane:
     def __init__(self, name: str, deliver: Callable[[list], None], on_failure: Callable[[Exception], None]):
         self._deliver = deliver
         self._on_failure = on_failure
-        self._batches: deque = deque()
+        self._batches: deque = deque()  # (when it was put, the batch)
+        self._delivering_since: float | None = None  # when the batch being delivered was put
         self._cond = threading.Condition()
         self._open = True
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -35,8 +37,15 @@ class _Lane:
 
     def put(self, batch: list) -> None:
         with self._cond:
-            self._batches.append(batch)
+            self._batches.append((time.monotonic(), batch))
             self._cond.notify_all()
+
+    def behind_s(self, now: float) -> float:
+        """How long the oldest batch not yet delivered has waited (0: none waits)."""
+        with self._cond:
+            since = self._delivering_since if self._delivering_since is not None else \
+                (self._batches[0][0] if self._batches else None)
+        return 0.0 if since is None else now - since
 
     def stop(self) -> None:
         """Deliver what was put, then end the thread."""
@@ -51,12 +60,14 @@ class _Lane:
                     self._cond.wait()
                 if not self._batches:
                     return
-                batch = self._batches.popleft()
+                self._delivering_since, batch = self._batches.popleft()
             try:
                 self._deliver(batch)
             except Exception as exc:
                 log.exception("delivering answers failed")
                 self._on_failure(exc)
+            with self._cond:
+                self._delivering_since = None
 
 
 class Outbox:
@@ -81,6 +92,17 @@ class Outbox:
         for lane, part in zip(self._lanes, parts):
             if part:
                 lane.put(part)
+
+    @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
+    def behind_s(self) -> float:
+        """How long the oldest answer not yet sent has waited, over the lanes: a tick's answers
+        leave within milliseconds while the sends keep up (at 55 conversations on an H100, up to
+        60 ms), and fall seconds behind when they cannot (docs/gpu-serving.md)."""
+        now = time.monotonic()
+        return max(lane.behind_s(now) for lane in self._lanes)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what was put, then stop the threads."""

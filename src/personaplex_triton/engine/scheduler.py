@@ -40,7 +40,9 @@ persona's start, or code2wav's) runs as before.
 `record()` takes each tick's frames and duration (the ticker's, which the metrics count too:
 frames per tick, ticks per second and the busy fraction are theirs) into a linear tick-cost
 model (`TickModel`), from which `admission_error` refuses a newcomer that would make the live
-conversations late.
+conversations late. It refuses one too while the answers wait to be sent for longer than
+SENDS_BEHIND_LIMIT_S (the outbox's `behind_s`): then the sends, not the ticks, make every frame
+late, and one more conversation only adds to them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ FRAME_S = 0.08          # a frame of audio: one conversation's frames arrive thi
 MODEL_TICKS = 256       # ticks the cost model is fitted on
 MODEL_MIN_TICKS = 32    # fewer: no admission by time yet (nothing measured)
 MEMORY_FULL_S = 30.0    # after a tick ran out of GPU memory, newcomers are refused this long
+# Answers waiting this long to be sent: the sends cannot keep up, newcomers are refused. Three
+# frames' worth: at 55 conversations on an H100 the oldest answer waited at most 60 ms while the
+# sends kept up, and seconds in the host's steal episodes, 0.36 s at the median in the first.
+SENDS_BEHIND_LIMIT_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -187,12 +193,15 @@ class Scheduler:
         """A tick ran out of GPU memory: newcomers are refused for MEMORY_FULL_S."""
         self._memory_full_at = self._clock()
 
-    def admission_error(self, live: int) -> str | None:
+    def admission_error(self, live: int, sends_behind_s: float = 0.0) -> str | None:
         """Why one more conversation beside `live` would make them late (or could not be held),
-        or None."""
+        or None. `sends_behind_s`: how long the oldest answer not yet sent has waited."""
         if self._memory_full_at is not None and self._clock() - self._memory_full_at < MEMORY_FULL_S:
             return (f"at capacity: a tick ran out of GPU memory {self._clock() - self._memory_full_at:.0f} s ago "
                     f"with {live} live conversations")
+        if sends_behind_s > SENDS_BEHIND_LIMIT_S:
+            return (f"at capacity: the answers leave {sends_behind_s:.2f} s after their ticks (the limit is "
+                    f"{SENDS_BEHIND_LIMIT_S:.2f} s): the server cannot send them in real time; try again later")
         if self.admission_tick_s <= 0:
             return None
         tick = self.model.steady_tick_s(live + 1, self.min_tick_interval_s)

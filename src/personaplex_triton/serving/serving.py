@@ -176,13 +176,15 @@ def warmed_in_log(text: str) -> list[str]:
 class TalkerService:
     """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame.
     `stage_process`: the talker (its model and its ticks) runs in a process of its own
-    (engine/stage_process.py), so that its ticks never wait for this process's GIL."""
+    (engine/stage_process.py), so that its ticks never wait for this process's GIL.
+    `downstream_behind_s`: the engine's (SlotEngine), code2wav's sends where it runs beside."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
                  warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
                  min_tick_interval_ms: float = 0.0, send_threads: int = 1, stage_process: bool = False,
-                 start_piece_spacing: int = loaders.START_PIECE_SPACING_TICKS, metrics: Metrics | None = None):
+                 start_piece_spacing: int = loaders.START_PIECE_SPACING_TICKS, metrics: Metrics | None = None,
+                 downstream_behind_s: Callable[[], float] | None = None):
         from ..stages.persona import PersonaLibrary
 
         self.metrics = metrics or Metrics()
@@ -199,7 +201,8 @@ class TalkerService:
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
                                  admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
                                  min_tick_interval_s=min_tick_interval_ms / 1000,
-                                 piece_spacing_ticks=start_piece_spacing, send_threads=send_threads)
+                                 piece_spacing_ticks=start_piece_spacing, send_threads=send_threads,
+                                 downstream_behind_s=downstream_behind_s)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:

@@ -85,7 +85,7 @@ class SpeechService:
         # The talker's answers go to code2wav in-process: one send thread keeps them in order cheaply.
         self.talker = TalkerService(checkpoint, max_conversations, device, idle_timeout_s, mimi_runtime=mimi_runtime,
                                     send_threads=1, stage_process=stage_process, metrics=talker_metrics,
-                                    **talker_options)
+                                    downstream_behind_s=self.code2wav.engine.sends_behind_s, **talker_options)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:

@@ -230,6 +230,9 @@ class TritonMetrics(Metrics):
         self._updates.set(("personaplex_engine_up", ()), 1 if up else 0)
         self._updates.set(("personaplex_engine_heartbeat_seconds", ()), time.time())
 
+    def sends_behind(self, seconds: float) -> None:
+        self._updates.set(("personaplex_sends_behind_seconds", ()), seconds)
+
     def close(self) -> None:
         self._collections.close()
         self._updates.close()

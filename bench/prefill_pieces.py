@@ -42,7 +42,7 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before 
 import numpy as np
 import torch
 
-from bench import report
+from bench import report, stats
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 PROMPT_WORDS = (2, 6, 10, 16, 24, 34)  # role prompts of growing length: their prefills span one to three passes
@@ -69,8 +69,8 @@ def allocator(device: torch.device) -> tuple[int, int]:
     """(device allocations, retries) of the CUDA caching allocator so far; (0, 0) on a CPU."""
     if device.type != "cuda":
         return 0, 0
-    stats = torch.cuda.memory_stats(device)
-    return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+    counts = torch.cuda.memory_stats(device)
+    return counts.get("num_device_alloc", 0), counts.get("num_alloc_retries", 0)
 
 
 def timed_start(talker, slot: int, setup, device: torch.device, before_piece=lambda: None) -> dict:
@@ -230,13 +230,10 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0, spa
                 start["calls"] = calls
         ticks.wait()
         return starts, service.info.slots_why, {
-            "live": live, "spacing": spacing, "ticks": len(ticks.ticks_ms), "tick_ms_p50": median_ms(ticks.ticks_ms),
-            "code2wav": code2wav, "decodes": len(ticks.decodes_ms), "decode_ms_p50": median_ms(ticks.decodes_ms)}
-
-
-def median_ms(values: list[float]) -> float | None:
-    """The middle value (the upper of two), rounded; None for none."""
-    return round(sorted(values)[len(values) // 2], 2) if values else None
+            "live": live, "spacing": spacing, "ticks": len(ticks.ticks_ms),
+            "tick_ms_p50": stats.percentiles(ticks.ticks_ms, (50,))["p50"],
+            "code2wav": code2wav, "decodes": len(ticks.decodes_ms),
+            "decode_ms_p50": stats.percentiles(ticks.decodes_ms, (50,))["p50"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

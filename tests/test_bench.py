@@ -821,3 +821,22 @@ def test_the_start_cost_model_counts_the_late_frames_a_start_s_pieces_make():
     assert quiet["late_near_a_start"] == quiet["late_elsewhere"] == 0 and quiet["start_ms"] is None
     assert long["late_near_a_start"] > 10 > short["late_near_a_start"]
     assert long["start_ms"] >= 3 * 31 and short["start_ms"] >= 3 * 13
+
+
+@pytest.mark.integration
+def test_send_rate_counts_every_answer_of_every_stream_by_lanes(tmp_path):
+    """bench.send_rate against its own model on a real tritonserver: each lane count's rounds
+    get every stream's answers, in order, at a rate the server's clock gives."""
+    from bench import send_rate
+
+    assert send_rate.main(["--lanes", "1", "3", "--streams", "3", "--answers", "7", "--rounds", "2",
+                           "--out", str(tmp_path), "--name", "t"]) == 0
+    [saved] = tmp_path.glob("*-t.json")
+    result = report.read_result(saved)
+    assert [r["lanes"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert len(row["rounds"]) == 2 and row["in_order"]
+        assert all(r["answers"] == 21 and r["answers_per_s"] > 0 for r in row["rounds"])
+    assert result["rows"][0]["vs_first"] == 1.0
+    assert "| 3 |" in (tmp_path / saved.name.replace(".json", ".md")).read_text()
+    assert (tmp_path / saved.name.replace(".json", ".png")).exists()

@@ -161,6 +161,9 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     log = server.log_path.read_text()
     assert "talker: the stage runs in process" in log and "code2wav: the stage runs in process" in log
+    # send_threads auto: several where the stage ticks in a process of its own
+    sends = f"{loaders.STAGE_PROCESS_SEND_THREADS} send thread(s)"
+    assert f"talker: {sends}" in log and f"code2wav: {sends}" in log
 
 
 def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path):
@@ -180,6 +183,7 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
     assert set(slots_in_log(log)) == {"talker", "code2wav"}
     assert "talker: Mimi encoder on" in log and "code2wav: Mimi decoder on" in log
+    assert "talker: 1 send thread(s)" in log and "code2wav: 1 send thread(s)" in log  # auto, on a CPU
 
 
 @pytest.mark.parametrize("change", [dict(seed=99), dict(voice="NATM0"), dict(text_prompt="Talk about cooking.")])

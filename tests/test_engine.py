@@ -425,6 +425,11 @@ def test_a_later_stage_s_sends_behind_refuse_newcomers_too(monkeypatch):
         engine.open(2, None)
     finally:
         engine.shutdown()
+    later = SlotEngine(CountingStage(2), downstream_behind_s=lambda: 2.5, admit_by_sends=False)
+    try:
+        later.open(1, None)  # a later stage takes what the first admitted
+    finally:
+        later.shutdown()
 
 
 def test_tick_failing_twice_ends_its_conversations_and_the_engine_goes_on():

@@ -67,7 +67,7 @@ class SlotEngine:
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
                  gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
                  piece_spacing_ticks: int = 1, send_threads: int = 1,
-                 downstream_behind_s: Callable[[], float] | None = None):
+                 downstream_behind_s: Callable[[], float] | None = None, admit_by_sends: bool = True):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
@@ -75,7 +75,9 @@ class SlotEngine:
         `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage
         that these conversations' answers go through are (one stub: code2wav's `sends_behind_s`),
-        which admission counts with this engine's own."""
+        which admission counts with this engine's own. `admit_by_sends` false: the sends
+        falling behind refuse no one here (a later stage, whose conversations an earlier
+        stage admitted)."""
         self.stage = stage
         self.name = name
         self.metrics = metrics or Metrics()
@@ -89,6 +91,7 @@ class SlotEngine:
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
         self._downstream_behind_s = downstream_behind_s or (lambda: 0.0)
+        self._admit_by_sends = admit_by_sends
         self._outbox = outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(
             f"internal error: the {name} engine's answers stopped ({type(exc).__name__}: {exc})", reasons.UNAVAILABLE),
             lanes=send_threads, lane_of=lambda answer: answer.conversation.key)
@@ -113,7 +116,8 @@ class SlotEngine:
             if not self._admitting:
                 raise ConversationError("the server is shutting down; no new conversations", reasons.UNAVAILABLE)
             if key not in self._table.open:
-                late = self.scheduler.admission_error(len(self._table.live()), self.sends_behind_s())
+                behind = self.sends_behind_s() if self._admit_by_sends else 0.0
+                late = self.scheduler.admission_error(len(self._table.live()), behind)
                 if late is not None:
                     raise ConversationError(late, reasons.NO_FREE_SLOT)
             self._table.admit(key, setup, restart)

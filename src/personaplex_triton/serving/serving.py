@@ -291,9 +291,11 @@ class Code2WavService:
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         self.send_threads = send_threads
+        # The talker admits the conversations: one it took must not be refused here.
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics,
-                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)
+                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads,
+                                 admit_by_sends=False)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:

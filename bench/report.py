@@ -306,6 +306,7 @@ def _load_section(result: dict) -> list[str]:
     best = result["largest_held"]
     lines += ["", "Largest number of conversations held: " + (f"**{best}**." if best else "**none** of those tested.")
               + ("" if not aged else " (aged context)"), ""]
+    lines += _steal_lines(rows)
     lines += _client_table(rows)
     lines += _starts_table(rows)
     lines += _windows_table(rows)
@@ -479,6 +480,30 @@ def _windows_trace_table(rows: list[dict]) -> list[str]:
             lines.append(f"{_window_start(r, w)} | {ticking} | "
                          + " | ".join(cell(c["p50"] if c else None) for c in segments) + " |")
     return lines + [""]
+
+
+# A 10 s window whose busiest second lost this much of the host's CPU to the hypervisor: an
+# episode (on 12-06's H100 hosts, 13-18% for 30-40 s sank 4-minute levels that held without).
+STEAL_EPISODE_PCT = 5.0
+
+
+def _steal_lines(rows: list[dict]) -> list[str]:
+    """How many of each level's late frames were sent in windows of the host's steal episodes:
+    they differ from host to host and run to run, so a verdict is read beside them."""
+    out = []
+    for r in rows:
+        sampled = [w for w in r.get("windows", []) if w.get("host")]
+        episodes = [w for w in sampled if w["host"]["steal_pct_max"] >= STEAL_EPISODE_PCT]
+        if r["late"] and episodes:
+            late = sum(w["late"] for w in episodes)
+            starts = ", ".join(f"{w['start_s']:g}" for w in episodes)
+            out.append(f"- {r['conversations']} conversations: {late:,} of the {r['late']:,} late frames were sent in "
+                       f"the {len(episodes)} of {len(sampled)} windows whose steal peaked at {STEAL_EPISODE_PCT:g}% "
+                       f"or more (from {starts} s); a backlog may drain in the windows after.")
+    if not out:
+        return []
+    return ["The host's steal episodes (the hypervisor taking the host's CPU; \"Along the run, the GPU and the "
+            "host\" below):", "", *out, ""]
 
 
 def _windows_gpu_and_host_table(rows: list[dict]) -> list[str]:

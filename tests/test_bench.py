@@ -548,6 +548,12 @@ def test_host_cpu_is_read_from_proc_stat_lines_and_summed_up_per_window():
     assert table[-3:] == ["| 2 | 0 | 50.0 (0) | - | - | - | - | - | - | 60.0 (90.0) | 5.0 (15.0) |",
                           "| 2 | 10 | 120.0 (30) | - | - | - | - | - | - | 66.7 (66.7) | 33.3 (33.3) |", ""]
 
+    row["windows"][0]["host"]["steal_pct_max"] = 4.0  # under an episode's 5%: its window is not one
+    lines = report._steal_lines([{**row, "conversations": 2, "late": 36}])
+    assert lines[2] == ("- 2 conversations: 30 of the 36 late frames were sent in the 1 of 2 windows whose steal "
+                        "peaked at 5% or more (from 10 s); a backlog may drain in the windows after.")
+    assert report._steal_lines([{**row, "conversations": 2, "late": 0}]) == []
+
 
 def test_cpu_sampler_keeps_each_interval_and_steal_sampler_the_whole_and_the_worst(monkeypatch):
     """The sampler differences consecutive readings (placed at each interval's middle); StealSampler's

@@ -392,7 +392,7 @@ def test_while_the_sends_fall_behind_newcomers_are_refused_and_the_live_answers_
             super().on_output(output, index, last)
 
     metrics = Behind()
-    engine = SlotEngine(CountingStage(3), metrics=metrics)
+    engine = SlotEngine(CountingStage(3), metrics=metrics, admit_by_sends=True)
     try:
         engine.open(1, None)
         live = StalledSender()
@@ -415,7 +415,7 @@ def test_while_the_sends_fall_behind_newcomers_are_refused_and_the_live_answers_
 def test_a_later_stage_s_sends_behind_refuse_newcomers_too(monkeypatch):
     """In one stub the talker's answers go on through code2wav's sends: its admission counts them."""
     downstream = [0.0]
-    engine = SlotEngine(CountingStage(2), downstream_behind_s=lambda: downstream[0])
+    engine = SlotEngine(CountingStage(2), downstream_behind_s=lambda: downstream[0], admit_by_sends=True)
     try:
         engine.open(1, None)
         downstream[0] = 2.5
@@ -425,9 +425,9 @@ def test_a_later_stage_s_sends_behind_refuse_newcomers_too(monkeypatch):
         engine.open(2, None)
     finally:
         engine.shutdown()
-    later = SlotEngine(CountingStage(2), downstream_behind_s=lambda: 2.5, admit_by_sends=False)
+    later = SlotEngine(CountingStage(2), downstream_behind_s=lambda: 2.5)
     try:
-        later.open(1, None)  # a later stage takes what the first admitted
+        later.open(1, None)  # by default (a later stage; a CPU's talker) the sends refuse no one
     finally:
         later.shutdown()
 

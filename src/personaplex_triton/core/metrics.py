@@ -30,7 +30,7 @@ FAMILIES = {
     "personaplex_persona_cache_lookups_total": ("counter", "Persona cache lookups at a conversation's start, by result (hit, miss)"),
     "personaplex_engine_up": ("gauge", "1 while the model's engine runs, 0 once it cannot go on"),
     "personaplex_engine_heartbeat_seconds": ("gauge", "Unix time of the engine loop's last pass (at least once a second)"),
-    "personaplex_sends_behind_seconds": ("gauge", "How long the oldest answer not yet sent has waited (over 0.25 s: new conversations are refused)"),
+    "personaplex_sends_behind_seconds": ("gauge", "How long the oldest answer not yet sent has waited (over 0.25 s on a GPU: new conversations are refused)"),
     "personaplex_gc_pause_seconds": ("histogram", "Python garbage collections in the model's process, by generation: every thread waits out each one"),
 }
 SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)

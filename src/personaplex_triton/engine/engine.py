@@ -67,7 +67,7 @@ class SlotEngine:
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
                  gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
                  piece_spacing_ticks: int = 1, send_threads: int = 1,
-                 downstream_behind_s: Callable[[], float] | None = None, admit_by_sends: bool = True):
+                 downstream_behind_s: Callable[[], float] | None = None, admit_by_sends: bool = False):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
@@ -75,9 +75,9 @@ class SlotEngine:
         `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage
         that these conversations' answers go through are (one stub: code2wav's `sends_behind_s`),
-        which admission counts with this engine's own. `admit_by_sends` false: the sends
-        falling behind refuse no one here (a later stage, whose conversations an earlier
-        stage admitted)."""
+        which admission counts with this engine's own. `admit_by_sends`: newcomers are refused
+        while the sends fall behind (scheduler.SENDS_BEHIND_LIMIT_S); not in a later stage,
+        whose conversations an earlier stage admitted."""
         self.stage = stage
         self.name = name
         self.metrics = metrics or Metrics()

@@ -134,8 +134,7 @@ class EngineLoop(threading.Thread):
             if behind > SENDS_BEHIND_LIMIT_S and now - self._last_behind_warning >= BEHIND_WARNING_S:
                 self._last_behind_warning = now
                 log.warning("%s: the answers leave %.2f s after their ticks: its %d send thread(s) cannot keep up "
-                            "(a busy host?); new conversations are refused meanwhile",
-                            self.name, behind, self._outbox.lanes)
+                            "(a busy host?)", self.name, behind, self._outbox.lanes)
 
     def _poll_cancelled(self, now: float) -> None:
         """Ask each conversation's oldest pending request whether its client is gone (a client

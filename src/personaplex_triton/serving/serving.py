@@ -197,9 +197,12 @@ class TalkerService:
             persona_cache_size=persona_cache_size, mimi_runtime=mimi_runtime, warm_personas=warm_personas,
             dtype=dtype, kv_dtype=kv_dtype), stage_process, self.metrics)
         self.send_threads = send_threads
+        # Admission by time and by the sends on a GPU; on a CPU the pool alone (a shared
+        # VM's few cores stall ticks and sends now and then, and its pool is a handful).
+        on_gpu = device.startswith("cuda")
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
-                                 admission_tick_s=loaders.GPU_ADMISSION_TICK_S if device.startswith("cuda") else 0.0,
+                                 admission_tick_s=loaders.GPU_ADMISSION_TICK_S if on_gpu else 0.0, admit_by_sends=on_gpu,
                                  min_tick_interval_s=min_tick_interval_ms / 1000,
                                  piece_spacing_ticks=start_piece_spacing, send_threads=send_threads,
                                  downstream_behind_s=downstream_behind_s)
@@ -291,11 +294,10 @@ class Code2WavService:
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         self.send_threads = send_threads
-        # The talker admits the conversations: one it took must not be refused here.
+        # The talker admits the conversations (code2wav refuses none for time or for its sends).
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics,
-                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads,
-                                 admit_by_sends=False)
+                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:

@@ -21,7 +21,7 @@ class TritonPythonModel:
             params["mimi_runtime"], send_threads=send_threads(params, own_process),
             stage_process=own_process,
             metrics=TritonMetrics(args["model_name"]))
-        for line in load_log_lines(args["model_name"], self.service.info, self.service.send_threads):
+        for line in load_log_lines(args["model_name"], self.service.info, self.service.engine.send_threads):
             log_info(line)
         self.instance = args["model_instance_name"]
         register(self.instance, drains=False)  # the talker ends its sequences at shutdown

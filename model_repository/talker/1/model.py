@@ -23,7 +23,7 @@ class TritonPythonModel(ConversationModel):
             float(params["idle_timeout_s"]), mimi_runtime=params["mimi_runtime"],
             send_threads=send_threads(params, own_process), stage_process=own_process,
             metrics=TritonMetrics(args["model_name"]), **talker_options(params))
-        for line in load_log_lines(args["model_name"], service.info, service.send_threads):
+        for line in load_log_lines(args["model_name"], service.info, service.engine.send_threads):
             log_info(line)
         self.serve_conversations(args, service, INPUTS)
 

@@ -28,7 +28,7 @@ class TritonPythonModel(ConversationModel):
             idle_timeout_s=float(params["idle_timeout_s"]), stage_process=own_process,
             **talker_options(params))
         for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
-            for line in load_log_lines(stage, stage_service.info, stage_service.send_threads):
+            for line in load_log_lines(stage, stage_service.info, stage_service.engine.send_threads):
                 log_info(line)
         self.serve_conversations(args, service, INPUTS)
 

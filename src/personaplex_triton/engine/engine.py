@@ -123,6 +123,10 @@ class SlotEngine:
             self._table.admit(key, setup, restart)
             self._cond.notify()
 
+    @property
+    def send_threads(self) -> int:
+        return self._outbox.lanes
+
     def sends_behind_s(self) -> float:
         """How long the oldest answer not yet sent has waited, here or downstream."""
         return max(self._outbox.behind_s(), self._downstream_behind_s())

@@ -196,7 +196,6 @@ class TalkerService:
             checkpoint=checkpoint, max_conversations=max_conversations, device=device,
             persona_cache_size=persona_cache_size, mimi_runtime=mimi_runtime, warm_personas=warm_personas,
             dtype=dtype, kv_dtype=kv_dtype), stage_process, self.metrics)
-        self.send_threads = send_threads
         # Admission by time and by the sends on a GPU; on a CPU the pool alone (a shared
         # VM's few cores stall ticks and sends now and then, and its pool is a handful).
         on_gpu = device.startswith("cuda")
@@ -293,8 +292,7 @@ class Code2WavService:
             stage_process, self.metrics)
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
-        self.send_threads = send_threads
-        # The talker admits the conversations (code2wav refuses none for time or for its sends).
+        # The talker admits them: code2wav refuses none for time or for its sends.
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics,
                                  gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)

@@ -11,7 +11,8 @@ class EchoStage:
     """Each slot answers item x with (x, its process id, how many items it has seen). A tick
     with the item "fault" fails naming its slot; "exit" ends the process, as a crash would.
     A start's setup "pieces" starts in three pieces; a setup "bad" cannot start. A tick with
-    the item "unsendable" answers what cannot be pickled; stopping slot -1 fails."""
+    the item "unsendable" answers what cannot be pickled, "unsendable event" emits it; stopping
+    slot -1 fails."""
 
     def __init__(self, num_slots, emit):
         self.num_slots = num_slots
@@ -53,6 +54,10 @@ class EchoStage:
                 os._exit(3)
             if item == "unsendable":
                 out[slot] = lambda: None
+                continue
+            if item == "unsendable event":
+                self.emit("unsendable", lambda: None)
+                out[slot] = "emitted"
                 continue
             if item == "stopped":
                 out[slot] = list(self.stopped)

@@ -63,6 +63,9 @@ def test_a_call_unread_or_unanswerable_and_a_failing_stop_fail_alone_and_the_sta
         echo.tick({0: stage_doubles.Unreadable()})
     with pytest.raises(RuntimeError, match="the echo stage's answer could not be sent back: .*pickle local object"):
         echo.tick({0: "unsendable"})
+    with pytest.raises(RuntimeError, match="the echo stage's answer could not be sent back"):
+        echo.tick({0: "unsendable event"})  # its events cannot cross either: dropped, logged
+    assert echo.events == []
     echo.stop(-1)  # fails in the child, which logs it
     echo.stop(1)
     assert echo.tick({0: "stopped"}) == {0: [1]}

@@ -213,8 +213,12 @@ def serve(conn: Connection, name: str = "stage") -> None:
             payload = pickle.dumps((ok, value, events[:]), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # an answer that cannot cross fails its call, not the process
             log.warning("an answer could not be pickled", exc_info=True)
-            payload = pickle.dumps((False, RuntimeError(f"the {name} stage's answer could not be sent back: {exc}"),
-                                    events[:]))
+            error = RuntimeError(f"the {name} stage's answer could not be sent back: {exc}")
+            try:
+                payload = pickle.dumps((False, error, events[:]))
+            except Exception:  # an event was what failed: the call's error crosses without them
+                log.warning("dropped %d event(s) of the %s stage: they could not be pickled", len(events), name)
+                payload = pickle.dumps((False, error, []))
         conn.send_bytes(payload)
         events.clear()
 

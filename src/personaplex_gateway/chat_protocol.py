@@ -44,8 +44,8 @@ IGNORED_KINDS = frozenset({0x00, 0x03, 0x04, 0x05, 0x06})
 # query parameter -> (Persona field, type)
 APPLIED = {"audio_temperature": ("temperature", float), "audio_topk": ("top_k", int),
            "text_temperature": ("temperature_text", float), "text_topk": ("top_k_text", int)}
-IGNORED = frozenset({"text_seed", "pad_mult", "repetition_penalty", "repetition_penalty_context",
-                     "worker_auth_id", "email", "token"})
+# Any other parameter (PersonaPlex's page also sends text_seed, pad_mult, repetition_penalty,
+# repetition_penalty_context, worker_auth_id, email, token) is accepted and has no effect.
 
 
 def _number(query: Mapping[str, str], name: str, kind):

@@ -29,7 +29,6 @@ VOICES_ARCHIVE = "voices.tgz"
 VOICES_DIR = "voices"
 CONFIG_NAME = "config.json"
 CHECKPOINT_ENV = "PERSONAPLEX_CHECKPOINT"
-DEFAULT_REPO = "nvidia/personaplex-7b-v1"
 REQUIRED_FILES = (MOSHI_NAME, MIMI_NAME, TOKENIZER_NAME)
 
 # PersonaPlex's LM: moshi's 7B settings with a 16-codebook depformer (it also predicts the

@@ -297,3 +297,21 @@ def test_the_librarys_log_reaches_the_servers_log(server, solo):
                for start in starts)
     # a new persona's prefill (the solo conversation's voice and role prompt) takes pieces
     assert max(start["pieces"] for start in starts if start["stage"] == "talker") > 1
+
+
+def test_code2wavs_stub_writes_its_send_backlog_where_the_talkers_stub_reads_it(server):
+    """In two stubs the talker's admission counts code2wav's send backlog (sends_gauge.py):
+    code2wav's stub writes it at each heartbeat, under the name of the server both stubs run in."""
+    import struct
+    import time
+
+    from personaplex_triton.engine.scheduler import SENDS_BEHIND_LIMIT_S
+    from personaplex_triton.serving.sends_gauge import STALE_S, gauge_folder, sends_behind_reader
+
+    server_pid = server.tritonserver_pid()
+    files = list(gauge_folder().glob(f"personaplex-{server_pid}-code2wav-*.sends-behind"))
+    assert len(files) == 1  # one code2wav instance
+    behind_s, written = struct.unpack("=dd", files[0].read_bytes())
+    assert 0 <= behind_s < SENDS_BEHIND_LIMIT_S and time.monotonic() - written < STALE_S  # idle, and beating
+    assert 0 <= sends_behind_reader("code2wav", server_pid)() < SENDS_BEHIND_LIMIT_S
+    assert not list(gauge_folder().glob(f"personaplex-{server_pid}-talker-*"))  # the talker's no stub reads

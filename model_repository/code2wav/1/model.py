@@ -1,6 +1,7 @@
 """Stage 1 on Triton: decoupled, one frame of agent codes in, 1920 PCM samples out."""
 
 from personaplex_triton.core import loaders, seam
+from personaplex_triton.serving.sends_gauge import SendsBehindWriter
 from personaplex_triton.serving.serving import Code2WavService, load_log_lines, pick_device
 from personaplex_triton.serving.shutdown import mark_finalized, register
 from personaplex_triton.serving.stage_builds import send_threads, stage_process
@@ -20,7 +21,8 @@ class TritonPythonModel:
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"], device,
             params["mimi_runtime"], send_threads=send_threads(params, own_process),
             stage_process=own_process,
-            metrics=TritonMetrics(args["model_name"]))
+            # its backlog for the talker's admission, in another stub (sends_gauge.py)
+            metrics=TritonMetrics(args["model_name"], SendsBehindWriter(args["model_name"], args["model_instance_name"])))
         for line in load_log_lines(args["model_name"], self.service.info, self.service.engine.send_threads):
             log_info(line)
         self.instance = args["model_instance_name"]

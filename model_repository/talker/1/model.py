@@ -3,6 +3,7 @@
 import numpy as np
 
 from personaplex_triton.core import contract, loaders, seam
+from personaplex_triton.serving.sends_gauge import sends_behind_reader
 from personaplex_triton.serving.serving import TalkerService, load_log_lines, pick_device, seam_frame
 from personaplex_triton.serving.stage_builds import send_threads, stage_process, talker_options
 from personaplex_triton.serving.triton_adapter import (
@@ -22,7 +23,8 @@ class TritonPythonModel(ConversationModel):
             loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"], device,
             float(params["idle_timeout_s"]), mimi_runtime=params["mimi_runtime"],
             send_threads=send_threads(params, own_process), stage_process=own_process,
-            metrics=TritonMetrics(args["model_name"]), **talker_options(params))
+            metrics=TritonMetrics(args["model_name"]), downstream_behind_s=sends_behind_reader(DECODER),
+            **talker_options(params))
         for line in load_log_lines(args["model_name"], service.info, service.engine.send_threads):
             log_info(line)
         self.serve_conversations(args, service, INPUTS)

@@ -74,7 +74,8 @@ class SlotEngine:
         `gather`, `gather_max_s`, `admission_tick_s`, `min_tick_interval_s`,
         `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage
-        that these conversations' answers go through are (one stub: code2wav's `sends_behind_s`),
+        that these conversations' answers go through are (code2wav's: its `sends_behind_s` in one
+        stub, serving/sends_gauge.py's reader in two),
         which admission counts with this engine's own. `admit_by_sends`: newcomers are refused
         while the sends fall behind (scheduler.SENDS_BEHIND_LIMIT_S); not in a later stage,
         whose conversations an earlier stage admitted."""

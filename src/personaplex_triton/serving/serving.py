@@ -177,7 +177,8 @@ class TalkerService:
     """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame.
     `stage_process`: the talker (its model and its ticks) runs in a process of its own
     (engine/stage_process.py), so that its ticks never wait for this process's GIL.
-    `downstream_behind_s`: the engine's (SlotEngine), code2wav's sends where it runs beside."""
+    `downstream_behind_s`: the engine's (SlotEngine), code2wav's send backlog: its engine's in one
+    stub (speech.py), what its stub writes in two (sends_gauge.py)."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",

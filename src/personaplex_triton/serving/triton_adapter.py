@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..core.collector import PauseWatch, freeze_loaded
 from ..core.metrics import FAMILIES, HISTOGRAM_SERIES, Metrics, UpdateQueue, histogram_counts
+from .sends_gauge import SendsBehindWriter
 from .shutdown import Drain, OpenSequences, mark_finalized, register
 
 SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -165,13 +166,15 @@ REPORT_HOLD_S = 0.5  # counters wait this long for more to coalesce; gauges go a
 class TritonMetrics(Metrics):
     """The library's metrics (metrics.py) as Triton custom metrics, labelled with the model.
     Calls only queue their update; one thread of its own makes the round trips to tritonserver,
-    the counters' in batches of up to REPORT_HOLD_S (a few dozen round trips, whatever the load)."""
+    the counters' in batches of up to REPORT_HOLD_S (a few dozen round trips, whatever the load).
+    `sends_gauge`: where the heartbeat's backlog goes for the other stubs too (sends_gauge.py)."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, sends_gauge: SendsBehindWriter | None = None):
         # pb_utils.MetricFamily exists once the stub runs a model, not when this module is imported.
         family = pb_utils.MetricFamily
         kinds = {"gauge": family.GAUGE, "counter": family.COUNTER}
         self.model = model
+        self._sends_gauge = sends_gauge
         self._families = {}
         for name, (kind, text) in FAMILIES.items():
             if kind == "histogram":  # as its counters (metrics.py)
@@ -232,8 +235,12 @@ class TritonMetrics(Metrics):
 
     def sends_behind(self, seconds: float) -> None:
         self._updates.set(("personaplex_sends_behind_seconds", ()), seconds)
+        if self._sends_gauge is not None:
+            self._sends_gauge.write(seconds)
 
     def close(self) -> None:
+        if self._sends_gauge is not None:
+            self._sends_gauge.close()
         self._collections.close()
         self._updates.close()
         self._reporter.join(timeout=5)

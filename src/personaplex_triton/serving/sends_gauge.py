@@ -1,0 +1,72 @@
+"""How far behind a stage's answers are, read across the Python stubs of one tritonserver.
+
+With the stages in stubs of their own (model_repository), the talker's admission by the sends
+(scheduler.SENDS_BEHIND_LIMIT_S) cannot ask code2wav's engine: it runs in another process. So
+each code2wav instance writes its backlog at every heartbeat of its engine (at least once a
+second) into a small file in shared memory, named for the server (the stubs' parent process)
+and the instance, and the talker reads the largest fresh one when a newcomer asks to start. A
+file not written for STALE_S (its stub gone or not loaded yet) counts as no backlog: a dead
+stub is the health check's to report. In one stub (serving/speech.py) the talker asks
+code2wav's engine directly.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+STALE_S = 3.0
+SUFFIX = ".sends-behind"
+# The backlog in seconds, and when it was written: CLOCK_MONOTONIC, one clock for the host's processes.
+_RECORD = struct.Struct("=dd")
+
+
+def gauge_folder() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def _prefix(model: str, server_pid: int | None) -> str:
+    return f"personaplex-{os.getppid() if server_pid is None else server_pid}-{model}-"
+
+
+class SendsBehindWriter:
+    """One model instance's backlog, for the other stubs of its server."""
+
+    def __init__(self, model: str, instance: str, server_pid: int | None = None, folder: Path | None = None):
+        self.path = (folder or gauge_folder()) / f"{_prefix(model, server_pid)}{instance}{SUFFIX}"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write(self, behind_s: float) -> None:
+        # one write of 16 bytes at offset 0: a reader sees the old record or the new one
+        os.pwrite(self._fd, _RECORD.pack(behind_s, time.monotonic()), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)
+
+
+def sends_behind_reader(model: str, server_pid: int | None = None,
+                        folder: Path | None = None) -> Callable[[], float]:
+    """A function giving the largest backlog that `model`'s instances wrote in the last STALE_S."""
+    pattern = f"{_prefix(model, server_pid)}*{SUFFIX}"
+    where = folder or gauge_folder()
+
+    def read() -> float:
+        now, worst = time.monotonic(), 0.0
+        for path in where.glob(pattern):
+            try:
+                data = path.read_bytes()
+            except OSError:  # its stub closed it meanwhile
+                continue
+            if len(data) == _RECORD.size:
+                behind_s, written = _RECORD.unpack(data)
+                if now - written <= STALE_S:
+                    worst = max(worst, behind_s)
+        return worst
+
+    return read

@@ -1,0 +1,45 @@
+"""A stage's send backlog read across processes (serving/sends_gauge.py): what code2wav's stub
+writes at each heartbeat, the talker's stub reads for its admission."""
+
+import subprocess
+import sys
+import time
+
+from personaplex_triton.serving import sends_gauge
+from personaplex_triton.serving.sends_gauge import SendsBehindWriter, sends_behind_reader
+
+SERVER = 424242  # a made-up server process id: the files are named for it
+
+
+def test_the_largest_fresh_backlog_of_a_models_instances_is_read_in_another_process(tmp_path):
+    first = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER, tmp_path)
+    second = SendsBehindWriter("code2wav", "code2wav_1_0", SERVER, tmp_path)
+    other_server = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER + 1, tmp_path)
+    other_model = SendsBehindWriter("talker", "talker_0_0", SERVER, tmp_path)
+    first.write(0.4)
+    second.write(1.5)
+    other_server.write(9.0)
+    other_model.write(8.0)
+    program = ("import sys; from pathlib import Path; from personaplex_triton.serving.sends_gauge import "
+               f"sends_behind_reader as r; print(r('code2wav', {SERVER}, Path(sys.argv[1]))())")
+    read_there = subprocess.run([sys.executable, "-c", program, str(tmp_path)], capture_output=True, text=True,
+                                check=True)
+    assert float(read_there.stdout) == 1.5
+    second.write(0.0)  # caught up
+    assert sends_behind_reader("code2wav", SERVER, tmp_path)() == 0.4
+    for writer in (first, second, other_server, other_model):
+        writer.close()
+    assert list(tmp_path.iterdir()) == []  # a closed writer leaves nothing behind
+
+
+def test_a_backlog_not_written_for_a_while_counts_as_none(tmp_path, monkeypatch):
+    read = sends_behind_reader("code2wav", SERVER, tmp_path)
+    assert read() == 0.0  # no instance has written yet
+    writer = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER, tmp_path)
+    assert read() == 0.0  # opened, nothing written: not a record
+    writer.write(2.0)
+    assert read() == 2.0
+    monkeypatch.setattr(sends_gauge, "STALE_S", 0.05)
+    time.sleep(0.1)
+    assert read() == 0.0  # its stub stopped writing: gone or hung, the health check's to say
+    writer.close()

@@ -1,6 +1,7 @@
 """A stage's send backlog read across processes (serving/sends_gauge.py): what code2wav's stub
 writes at each heartbeat, the talker's stub reads for its admission."""
 
+import os
 import subprocess
 import sys
 import time
@@ -8,13 +9,13 @@ import time
 from personaplex_triton.serving import sends_gauge
 from personaplex_triton.serving.sends_gauge import SendsBehindWriter, sends_behind_reader
 
-SERVER = 424242  # a made-up server process id: the files are named for it
+SERVER = os.getpid()  # the files are named for their server: here, this process, which runs
 
 
 def test_the_largest_fresh_backlog_of_a_models_instances_is_read_in_another_process(tmp_path):
     first = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER, tmp_path)
     second = SendsBehindWriter("code2wav", "code2wav_1_0", SERVER, tmp_path)
-    other_server = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER + 1, tmp_path)
+    other_server = SendsBehindWriter("code2wav", "code2wav_0_0", os.getppid(), tmp_path)
     other_model = SendsBehindWriter("talker", "talker_0_0", SERVER, tmp_path)
     first.write(0.4)
     second.write(1.5)
@@ -42,4 +43,16 @@ def test_a_backlog_not_written_for_a_while_counts_as_none(tmp_path, monkeypatch)
     monkeypatch.setattr(sends_gauge, "STALE_S", 0.05)
     time.sleep(0.1)
     assert read() == 0.0  # its stub stopped writing: gone or hung, the health check's to say
+    writer.close()
+
+
+def test_a_killed_servers_file_is_removed_by_the_next_writer(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id no process has now
+    orphan = tmp_path / f"personaplex-{gone.pid}-code2wav-code2wav_0_0{sends_gauge.SUFFIX}"
+    orphan.write_bytes(bytes(16))
+    living = SendsBehindWriter("code2wav", "code2wav_0_0", os.getppid(), tmp_path)
+    writer = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER, tmp_path)
+    assert sorted(tmp_path.iterdir()) == sorted([living.path, writer.path])
+    living.close()
     writer.close()

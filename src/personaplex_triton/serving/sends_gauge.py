@@ -6,8 +6,9 @@ each code2wav instance writes its backlog at every heartbeat of its engine (at l
 second) into a small file in shared memory, named for the server (the stubs' parent process)
 and the instance, and the talker reads the largest fresh one when a newcomer asks to start. A
 file not written for STALE_S (its stub gone or not loaded yet) counts as no backlog: a dead
-stub is the health check's to report. In one stub (serving/speech.py) the talker asks
-code2wav's engine directly.
+stub is the health check's to report. A stub removes its file at unload; one that was killed
+leaves it, and the next writer on the host removes the files of servers no longer running. In
+one stub (serving/speech.py) the talker asks code2wav's engine directly.
 """
 
 from __future__ import annotations
@@ -34,11 +35,31 @@ def _prefix(model: str, server_pid: int | None) -> str:
     return f"personaplex-{os.getppid() if server_pid is None else server_pid}-{model}-"
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def remove_orphans(folder: Path) -> None:
+    """The files of servers no longer running (a stub killed before its unload)."""
+    for path in folder.glob(f"personaplex-*{SUFFIX}"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+
+
 class SendsBehindWriter:
     """One model instance's backlog, for the other stubs of its server."""
 
     def __init__(self, model: str, instance: str, server_pid: int | None = None, folder: Path | None = None):
-        self.path = (folder or gauge_folder()) / f"{_prefix(model, server_pid)}{instance}{SUFFIX}"
+        folder = folder or gauge_folder()
+        remove_orphans(folder)
+        self.path = folder / f"{_prefix(model, server_pid)}{instance}{SUFFIX}"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write(self, behind_s: float) -> None:

@@ -25,7 +25,7 @@
 #                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
 #   scripts/gpu_host.sh profile STAGE SECONDS DIR  # there, against it (the tools part): py-spy of STAGE's stub
 #                                    # (talker or code2wav) for SECONDS, every thread and the GIL's holder at once,
-#                                    # raw collapsed stacks in DIR
+#                                    # raw collapsed stacks as DIR/STAGE-pyspy.tar.xz
 #   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
 #                                    # (to read them here: python -m bench.slow_ticks, bench/ticks.py, core/trace.py)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
@@ -252,6 +252,8 @@ profile() {  # py-spy of one stage's stub at load: every thread with idle time, 
     py-spy record -p "$pid" -d "$seconds" -r 200 --nonblocking --gil --threads -f raw \
         -o "$out/$stage-gil.txt" > /dev/null
     wait
+    # one compressed file: the device tool left the two raw files out of what it brought back
+    tar -C "$out" --remove-files -cJf "$out/$stage-pyspy.tar.xz" "$stage-threads.txt" "$stage-gil.txt"
 }
 
 case "${1:-}" in

@@ -56,3 +56,16 @@ def test_a_killed_servers_file_is_removed_by_the_next_writer(tmp_path):
     assert sorted(tmp_path.iterdir()) == sorted([living.path, writer.path])
     living.close()
     writer.close()
+
+
+def test_a_gauge_that_cannot_be_written_is_logged_once_and_raises_nothing(tmp_path, caplog):
+    writer = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER, tmp_path / "no such folder")
+    writer.write(0.1)
+    writer.write(0.2)
+    writer.close()
+    assert [r.message.startswith("cannot write the send backlog") for r in caplog.records] == [True]
+    writer = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER, tmp_path)
+    os.close(writer._fd)  # every write fails now, as on a full /dev/shm
+    writer.write(0.1)
+    writer.write(0.2)
+    assert len(caplog.records) == 2 and "Bad file descriptor" in caplog.records[1].message

@@ -13,12 +13,15 @@ one stub (serving/speech.py) the talker asks code2wav's engine directly.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 STALE_S = 3.0
 SUFFIX = ".sends-behind"
@@ -58,17 +61,35 @@ class SendsBehindWriter:
 
     def __init__(self, model: str, instance: str, server_pid: int | None = None, folder: Path | None = None):
         folder = folder or gauge_folder()
-        remove_orphans(folder)
         self.path = folder / f"{_prefix(model, server_pid)}{instance}{SUFFIX}"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._failed = False
+        self._fd: int | None = None
+        try:
+            remove_orphans(folder)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:  # serving goes on without it
+            self._warn(exc)
+
+    def _warn(self, exc: OSError) -> None:
+        if not self._failed:
+            self._failed = True
+            log.warning("cannot write the send backlog to %s (%s): the talker's admission will not see it",
+                        self.path, exc)
 
     def write(self, behind_s: float) -> None:
-        # one write of 16 bytes at offset 0: a reader sees the old record or the new one
-        os.pwrite(self._fd, _RECORD.pack(behind_s, time.monotonic()), 0)
+        """From the engine's heartbeat, which a failure here must not stop: it is logged once."""
+        if self._fd is None:
+            return
+        try:  # one write of 16 bytes at offset 0: a reader sees the old record or the new one
+            os.pwrite(self._fd, _RECORD.pack(behind_s, time.monotonic()), 0)
+        except OSError as exc:
+            self._warn(exc)
 
     def close(self) -> None:
-        os.close(self._fd)
-        self.path.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self.path.unlink(missing_ok=True)
 
 
 def sends_behind_reader(model: str, server_pid: int | None = None,

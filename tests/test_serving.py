@@ -167,6 +167,19 @@ def test_prompt_limits(files, monkeypatch):
         library.persona("NATF0", "")
 
 
+def test_a_library_of_some_voices_loads_only_those_and_names_an_unknown_one(files):
+    from personaplex_triton.core import loaders
+    from personaplex_triton.stages.persona import PersonaLibrary
+
+    tokenizer = loaders.get_tokenizer(files)
+    some = PersonaLibrary(files, tokenizer, only=["NATM0"])
+    assert some.voice("NATM0").name == "NATM0.pt"
+    with pytest.raises(loaders.CheckpointError, match="voice NATF0.pt was added after the model loaded"):
+        some.voice("NATF0")
+    with pytest.raises(loaders.CheckpointError, match="unknown voice 'NOBODY'; this checkpoint has: NATF0, NATM0"):
+        PersonaLibrary(files, tokenizer, only=["NOBODY"])
+
+
 def test_code2wav_refuses_a_lost_frame_and_frees_on_a_close_marker(code2wav):
     codes = np.ones(8, np.int64)
     assert decode(code2wav, 5, 0, codes)[1] is None

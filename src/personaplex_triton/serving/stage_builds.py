@@ -101,10 +101,10 @@ def build_talker(checkpoint: str, max_conversations: int | str, device: str, per
     slots, why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
                            lambda: conversations_that_fit(lm, mimi, kv))
     talker = Talker(lm, mimi, tokenizer, slots, persona_cache_size, kv_dtype=kv)
-    personas = PersonaLibrary(files, tokenizer)
     names = files.voice_names() if warm_personas.strip() == "all" else \
         [name.strip() for name in warm_personas.split(",") if name.strip()]
     warmed = names[:talker.persona_cache.capacity]
+    personas = PersonaLibrary(files, tokenizer, only=warmed)  # the requests' library is the service's
     for name in warmed:
         talker.start(0, TalkerSetup(personas.persona(name, ""), SamplingParams()))
         talker.stop(0)

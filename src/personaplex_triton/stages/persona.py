@@ -110,17 +110,19 @@ class Persona:
 
 class PersonaLibrary:
     """The voices of a checkpoint, all loaded up front (a voice's first use must not load and
-    normalise a file on the request path), and the tokenizer for role prompts."""
+    normalise a file on the request path), and the tokenizer for role prompts. `only`: just
+    these voices (names as requests give them), for a load's warm personas."""
 
-    def __init__(self, files: loaders.CheckpointFiles, tokenizer):
+    def __init__(self, files: loaders.CheckpointFiles, tokenizer, only: list[str] | None = None):
         self.files = files
         self.tokenizer = tokenizer
         names = files.voice_names()
         if not names:
             raise loaders.CheckpointError(f"checkpoint {files.root} has no voices")
         self.default_voice = names[0]
-        self._voices = {path: load_voice(path) for path in sorted(files.voices.iterdir())
-                        if path.suffix in (".pt", ".wav")}
+        paths = ([files.voice_path(name) for name in only] if only is not None else
+                 [path for path in sorted(files.voices.iterdir()) if path.suffix in (".pt", ".wav")])
+        self._voices = {path: load_voice(path) for path in paths}
 
     def voice(self, name: str | None) -> VoicePrompt:
         path = self.files.voice_path(name or self.default_voice)

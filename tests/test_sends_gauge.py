@@ -46,14 +46,20 @@ def test_a_backlog_not_written_for_a_while_counts_as_none(tmp_path, monkeypatch)
     writer.close()
 
 
-def test_a_killed_servers_file_is_removed_by_the_next_writer(tmp_path):
+def test_a_killed_servers_file_is_removed_by_the_next_writer_once_unwritten_for_a_minute(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a process id no process has now
     orphan = tmp_path / f"personaplex-{gone.pid}-code2wav-code2wav_0_0{sends_gauge.SUFFIX}"
     orphan.write_bytes(bytes(16))
+    # another namespace's server, whose process id is not one here, writes its file still
+    elsewhere = tmp_path / f"personaplex-{gone.pid}-code2wav-code2wav_1_0{sends_gauge.SUFFIX}"
+    elsewhere.write_bytes(bytes(16))
+    an_hour_ago = time.time() - 3600
+    os.utime(orphan, (an_hour_ago, an_hour_ago))
     living = SendsBehindWriter("code2wav", "code2wav_0_0", os.getppid(), tmp_path)
+    os.utime(living.path, (an_hour_ago, an_hour_ago))  # its server runs: kept however old
     writer = SendsBehindWriter("code2wav", "code2wav_0_0", SERVER, tmp_path)
-    assert sorted(tmp_path.iterdir()) == sorted([living.path, writer.path])
+    assert sorted(tmp_path.iterdir()) == sorted([elsewhere, living.path, writer.path])
     living.close()
     writer.close()
 

@@ -7,8 +7,9 @@ second) into a small file in shared memory, named for the server (the stubs' par
 and the instance, and the talker reads the largest fresh one when a newcomer asks to start. A
 file not written for STALE_S (its stub gone or not loaded yet) counts as no backlog: a dead
 stub is the health check's to report. A stub removes its file at unload; one that was killed
-leaves it, and the next writer on the host removes the files of servers no longer running. In
-one stub (serving/speech.py) the talker asks code2wav's engine directly.
+leaves it, and the next writer on the host removes the files of servers no longer running. A
+container has a /dev/shm of its own unless it shares the host's IPC namespace. In one stub
+(serving/speech.py) the talker asks code2wav's engine directly.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 STALE_S = 3.0
+ORPHAN_AGE_S = 60.0
 SUFFIX = ".sends-behind"
 # The backlog in seconds, and when it was written: CLOCK_MONOTONIC, one clock for the host's processes.
 _RECORD = struct.Struct("=dd")
@@ -49,10 +51,15 @@ def _running(pid: int) -> bool:
 
 
 def remove_orphans(folder: Path) -> None:
-    """The files of servers no longer running (a stub killed before its unload)."""
+    """The files of servers no longer running (a stub killed before its unload), unwritten for
+    ORPHAN_AGE_S: a server in another process namespace sharing /dev/shm keeps writing its own."""
     for path in folder.glob(f"personaplex-*{SUFFIX}"):
         pid = path.name.split("-")[1]
-        if pid.isdigit() and not _running(int(pid)):
+        try:
+            old = time.time() - path.stat().st_mtime > ORPHAN_AGE_S
+        except OSError:  # removed meanwhile
+            continue
+        if old and pid.isdigit() and not _running(int(pid)):
             path.unlink(missing_ok=True)
 
 

@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_triton.core.paths import REPO_ROOT
 from personaplex_triton.mimi.artefacts import file_sha256
-from personaplex_triton.serving.serving import slots_in_log
+from personaplex_triton.serving.serving import send_threads_in_log, slots_in_log
 
 from . import stats
 from .loadgen import LONG_PAUSE_S, NEW_PERSONA_AFTER_S
@@ -61,7 +61,7 @@ def server_info(url: str, server_log: Path | None = None) -> dict:
     client = grpcclient.InferenceServerClient(url=url)
     log = Path(server_log).read_text(errors="replace") if server_log is not None else ""
     running = mimi_runtimes_in_log(server_log) if server_log is not None else {}
-    slots = slots_in_log(log)
+    slots, sends = slots_in_log(log), send_threads_in_log(log)
     try:
         one_stub = params_of(client, "speech") if client.is_model_ready("speech") else None
         info = {"triton_version": client.get_server_metadata().version, "one_stub": one_stub is not None}
@@ -72,7 +72,8 @@ def server_info(url: str, server_log: Path | None = None) -> dict:
             # auto: what the stage took, where its log is at hand; else unknown (None)
             info[model] = {"max_conversations": slots.get(model, int(configured) if configured.isdigit() else None),
                            "checkpoint": params.get("checkpoint", ""), "device": params.get("device", ""),
-                           "mimi_runtime": f"{runtime}: {running[model]}" if model in running else runtime}
+                           "mimi_runtime": f"{runtime}: {running[model]}" if model in running else runtime,
+                           "send_threads": sends.get(model)}  # from the log only
             if model == "talker":
                 info[model]["kv_dtype"] = kv_dtype(params, log)
     finally:
@@ -222,7 +223,8 @@ def markdown(result: dict) -> str:
              f"- Mimi runtime: talker {h['talker']['mimi_runtime']}, code2wav {h['code2wav']['mimi_runtime']}; "
              f"device {h['talker']['device']}; pool sizes talker {h['talker']['max_conversations']}, "
              f"code2wav {h['code2wav']['max_conversations']}",
-             f"- KV cache: {h['talker'].get('kv_dtype', 'not recorded')}",
+             f"- KV cache: {h['talker'].get('kv_dtype', 'not recorded')}; send threads: "
+             + ", ".join(f"{model} {h[model].get('send_threads') or 'not recorded'}" for model in ("talker", "code2wav")),
              f"- Commit {h['commit']}, started {h['started']}, bench wall time {h['wall_s']} s",
              # Other work on the machine skews every figure; the load average shows whether there was any.
              f"- Load average (1 min) at start {h['load_average_start']}, at end {h['load_average_end']} "

@@ -132,6 +132,11 @@ def slots_in_log(text: str) -> dict[str, int]:
     return {model: int(n) for model, n in re.findall(r"(\w+): (\d+) conversation slots \(", text)}
 
 
+def send_threads_in_log(text: str) -> dict[str, int]:
+    """{model: send threads} from a tritonserver log (load_log_lines)."""
+    return {model: int(n) for model, n in re.findall(r"(\w+): (\d+) send thread\(s\)", text)}
+
+
 # A start's line (engine_loop.STARTED_LOG) as tritonserver logs it: "I1205 07:29:18.668348 ...".
 _STARTED_IN_LOG = re.compile(
     r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) .*?(\w+): started (\d+) conversation\(s\) in ([\d.]+) ms "

@@ -1,5 +1,6 @@
 """The slot engine's scheduling, on a small arithmetic stage (no model needed)."""
 
+import os
 import threading
 import time
 
@@ -431,6 +432,27 @@ def test_a_later_stage_s_sends_behind_refuse_newcomers_too(monkeypatch):
     finally:
         later.shutdown()
 
+
+
+def test_in_two_stubs_the_talker_reads_code2wavs_backlog_from_what_its_stub_writes(tmp_path):
+    """serving/sends_gauge.py: the talker's engine takes the gauge's reader as its later stage's backlog."""
+    from personaplex_triton.serving.sends_gauge import SendsBehindWriter, sends_behind_reader
+
+    server = os.getpid()
+    code2wav = SendsBehindWriter("code2wav", "code2wav_0_0", server, tmp_path)
+    engine = SlotEngine(CountingStage(3), downstream_behind_s=sends_behind_reader("code2wav", server, tmp_path),
+                        admit_by_sends=True)
+    try:
+        code2wav.write(0.01)
+        engine.open(1, None)
+        code2wav.write(1.2)
+        with pytest.raises(ConversationError, match="at capacity: the answers leave 1.20 s after their ticks"):
+            engine.open(2, None)
+        code2wav.write(0.0)  # caught up
+        engine.open(2, None)
+    finally:
+        engine.shutdown()
+        code2wav.close()
 
 def test_tick_failing_twice_ends_its_conversations_and_the_engine_goes_on():
     stage = FaultyStage(2)

@@ -75,4 +75,3 @@ def test_a_gauge_that_cannot_be_written_is_logged_once_and_raises_nothing(tmp_pa
     writer.write(0.1)
     writer.write(0.2)
     assert len(caplog.records) == 2 and "Bad file descriptor" in caplog.records[1].message
-

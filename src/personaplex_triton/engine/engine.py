@@ -111,13 +111,15 @@ class SlotEngine:
     def open(self, key: int, setup: Any, restart: bool = False) -> None:
         """Reserve a slot for a new conversation; its state is set up before the next tick.
         `restart`: an idle open conversation with this key starts over in its slot."""
+        # Read before taking the engine's lock, which the ticks wait for: a later stage's backlog
+        # may be a file (serving/sends_gauge.py), and the outbox's lanes have locks of their own.
+        behind = self.sends_behind_s() if self._admit_by_sends else 0.0
         with self._cond:
             if self.failure is not None:
                 raise ConversationError(self.failure, reasons.UNAVAILABLE)
             if not self._admitting:
                 raise ConversationError("the server is shutting down; no new conversations", reasons.UNAVAILABLE)
             if key not in self._table.open:
-                behind = self.sends_behind_s() if self._admit_by_sends else 0.0
                 late = self.scheduler.admission_error(len(self._table.live()), behind)
                 if late is not None:
                     raise ConversationError(late, reasons.NO_FREE_SLOT)

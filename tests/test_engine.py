@@ -433,7 +433,6 @@ def test_a_later_stage_s_sends_behind_refuse_newcomers_too(monkeypatch):
         later.shutdown()
 
 
-
 def test_in_two_stubs_the_talker_reads_code2wavs_backlog_from_what_its_stub_writes(tmp_path):
     """serving/sends_gauge.py: the talker's engine takes the gauge's reader as its later stage's backlog."""
     from personaplex_triton.serving.sends_gauge import SendsBehindWriter, sends_behind_reader

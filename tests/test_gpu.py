@@ -85,18 +85,20 @@ def test_a_graphed_step_carries_any_slots(lm, kv_dtype):
     assert carried(lm, True, [3, 0], kv_dtype=kv_dtype) == alone
 
 
-@pytest.mark.parametrize("dtype, stored, dot_dtype", [
-    (torch.float32, torch.float32, None), (torch.bfloat16, torch.bfloat16, None),
-    (torch.bfloat16, torch.float8_e4m3fn, None), (torch.bfloat16, torch.float8_e4m3fn, torch.float16)])
-def test_ring_attention_kernel_matches_softmax_attention(dtype, stored, dot_dtype):
+@pytest.mark.parametrize("dtype, stored, dot_dtype, stages", [
+    (torch.float32, torch.float32, None, None), (torch.bfloat16, torch.bfloat16, None, None),
+    (torch.bfloat16, torch.float8_e4m3fn, None, None), (torch.bfloat16, torch.float8_e4m3fn, torch.float16, None),
+    (torch.bfloat16, torch.float8_e4m3fn, None, 5)])
+def test_ring_attention_kernel_matches_softmax_attention(dtype, stored, dot_dtype, stages):
     """Rows with no entry, part of the ring and all of it (3000 entries, 12 splits), against
-    softmax attention over the values the cache stores; an fp8 ring also through fp16 dots."""
+    softmax attention over the values the cache stores; an fp8 ring also through fp16 dots,
+    and pipelined deeper (`stages`: more loads in flight)."""
     torch.manual_seed(0)
     B, H, C, D = 4, 8, 3000, 128
     cache = kv_cache.store(torch.randn(2, B, H, C, D, device="cuda", dtype=dtype), stored)
     q = torch.randn(B, H, 1, D, device="cuda", dtype=dtype)
     lengths = torch.tensor([0, 1, 700, C], device="cuda")
-    out = ring_attention.attend(q, cache[0], cache[1], lengths, dot_dtype=dot_dtype)
+    out = ring_attention.attend(q, cache[0], cache[1], lengths, dot_dtype=dot_dtype, stages=stages)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.count_nonzero(out[0]) == 0
     for b in range(1, B):

@@ -188,14 +188,16 @@ def num_splits(rows: int, capacity: int) -> int:
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
            rows: torch.Tensor | None = None, active: torch.Tensor | None = None, splits: int | None = None,
-           block: int = BLOCK_N, warps: int = 4, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
+           block: int = BLOCK_N, warps: int = 4, stages: int | None = None,
+           dot_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Softmax attention of q [B, H, 1, D] over entries [0, min(lengths[b], capacity)) of the
     keys and values [P, H / kv_repeat, capacity, D] of pool row `rows[b]` (None: row b) (each
     with a unit stride on D and a common layout; q's dtype or float8_e4m3fn); returns
     [B, H, 1, D] in q's dtype. A row with no entries gets zeros, and so does a row that
     `active` [B] (bool; None: all) leaves out: it reads no entries (a graphed step's batch is
     padded to its bucket with rows that do not step, whose whole contexts it would read).
-    `splits`, `block`, `warps`: the launch (default: `num_splits`), for the benchmark.
+    `splits`, `block`, `warps`, `stages` (loads in flight, Triton's `num_stages`; None: its
+    default): the launch (default: `num_splits`), for the benchmark.
     `dot_dtype`: what the tensor cores multiply, q's dtype (None) or torch.float16 (the query
     clamped to fp16's range): for an fp8 ring on Hopper, e4m3 to fp16 is one packed conversion
     per two entries and e4m3 to bf16 three (Triton's lowering), and fp16 holds every e4m3 value
@@ -217,8 +219,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: t
         raise ValueError(f"dot_dtype is the query's dtype or torch.float16, got {dot_dtype}")
     fp16_dot = dot_dtype == torch.float16 and q.dtype != torch.float16
     precision = "ieee" if q.dtype == torch.float32 and not fp16_dot else "tf32"  # fp32 models: no TF32 rounding
+    pipeline = {} if stages is None else {"num_stages": stages}
     _split_kernel[(B * H, splits)](*args, BLOCK=block, HEAD_DIM=D, PRECISION=precision, INDEXED=rows is not None,
-                                   MASKED=active is not None, FP16_DOT=fp16_dot, num_warps=warps)
+                                   MASKED=active is not None, FP16_DOT=fp16_dot, num_warps=warps, **pipeline)
     out = torch.empty((B, H, 1, D), device=q.device, dtype=q.dtype)
     _merge_kernel[(B * H,)](acc, maxima, sums, out, splits,
                             SPLITS=triton.next_power_of_2(splits), HEAD_DIM=D)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from personaplex_triton.lm import kv_cache, ring_attention
 
 HEADS, HEAD_DIM, CAPACITY = 32, 128, 3000  # the 7B's temporal transformer
-# The fp8 ring reads half the bytes of the bf16 one at about the same time per entry (docs/gpu-serving.md):
+# The fp8 ring reads half the bytes of the bf16 one at about the same time per entry (docs/gpu-serving-log.md):
 # more programs in flight, longer loads per iteration, more loads in flight (a pipeline of more
 # stages: half the bytes a load wants twice the loads in flight for the same bandwidth), or fp16
 # dots (e4m3 to fp16 is one packed conversion, to bf16 three) are the launches to try there.

@@ -2,7 +2,7 @@
 
 Each served frame's answer is a round trip from the stub to tritonserver that waits with the GIL
 released. On an H100 host one thread sent up to 1,735 answers in a second, and about 450 through
-the hypervisor's steal episodes while 55 conversations asked for 687 (docs/gpu-serving.md). This
+the hypervisor's steal episodes while 55 conversations asked for 687 (docs/gpu-serving-log.md). This
 measures the sends alone, with no model: a real tritonserver serving `bench/send_rate_repository`
 (a decoupled Python model that answers each request with `--answers` responses of the served
 shape, through the project's outbox and the served stages' sends), `--streams` gRPC streams

@@ -115,7 +115,7 @@ GPU_GIL_SWITCH_S = 0.0005
 # a round trip to tritonserver that waits with the GIL released, so a lane's rate is set by the
 # wake-ups of two processes: on an H100 host one lane sent 1,735 answers in a second at best,
 # and about 450 a second through the hypervisor's steal episodes (13-18% steal) while 55
-# conversations asked for 687; the backlog reached 9.8 s (2026-12-06, docs/gpu-serving.md).
+# conversations asked for 687; the backlog reached 9.8 s (2026-12-06, docs/gpu-serving-log.md).
 # Lanes overlap the round trips: alone on that host (bench.send_rate) 1 sent 5,732 a second, 2
 # 9,709, 4 9,317, 8 8,188; 4 keeps more round trips in flight where steal slows each wake-up. In
 # the stub they once cost the tick its GIL (a tick 17.4 -> 24.7 ms at 64 on the H200); with the

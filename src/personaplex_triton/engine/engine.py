@@ -13,7 +13,7 @@ models' default: 4 where the stage ticks in a process of its own, else 1; stage_
 sends from several threads were first tried (07070be), tritonserver 2.51 aborted (a
 boost::interprocess lock_exception); since, a real tritonserver has taken them on a CPU
 (tests/test_integration.py) and, with 4 lanes, at 56 conversations on an H100 (six runs of
-60 s, none aborted; docs/gpu-serving.md). The parts share the engine's lock, and end a
+60 s, none aborted; docs/gpu-serving-log.md). The parts share the engine's lock, and end a
 conversation through its `_fail`.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the

@@ -100,7 +100,7 @@ class Outbox:
     def behind_s(self) -> float:
         """How long the oldest answer not yet sent has waited, over the lanes: a tick's answers
         leave within milliseconds while the sends keep up (at 55 conversations on an H100, up to
-        60 ms), and fall seconds behind when they cannot (docs/gpu-serving.md)."""
+        60 ms), and fall seconds behind when they cannot (docs/gpu-serving-log.md)."""
         now = time.monotonic()
         return max(lane.behind_s(now) for lane in self._lanes)
 

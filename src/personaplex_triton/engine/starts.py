@@ -1,7 +1,7 @@
 """A stage's start in pieces, so that the live conversations' ticks run between them.
 
 A talker's start of a new persona plays its prefill: at 64 conversations on the H200 a served
-start held every tick for 100-200 ms, and each made 100-150 frames late (docs/gpu-serving.md).
+start held every tick for 100-200 ms, and each made 100-150 frames late (docs/gpu-serving-log.md).
 A stage that can start in pieces (`begin_starts`, as vLLM's chunked prefill) returns a
 `StartJob`; the engine's loop runs one piece a pass, between ticks (engine_loop.py). A stage
 that cannot (`start_many` only) starts in one piece.

@@ -91,7 +91,7 @@ class TorchStepRunner(StepRunner):
     graph, one per batch bucket (core/buckets.py; rows past the batch read and write the pool's
     spare row), which gathers the rows' state, steps them and writes their state back: eager,
     that is a few hundred small kernels, whose launches kept the talker's encode thread busy
-    75% of the time at 64 conversations on the H200 (docs/gpu-serving.md)."""
+    75% of the time at 64 conversations on the H200 (docs/gpu-serving-log.md)."""
 
     def __init__(self, stage: str, mimi, skipped=(), cuda_graphs: bool | None = None):
         self.step: MimiStep = STEPS[stage](mimi).eval()

@@ -2,7 +2,7 @@
 
 Through the ensemble a frame crosses between tritonserver and a Python stub four times (the
 talker's request and response, code2wav's request and response), about half a millisecond each
-(docs/gpu-serving.md). `SpeechService` chains the two services of serving.py in one stub, so a
+(docs/gpu-serving-log.md). `SpeechService` chains the two services of serving.py in one stub, so a
 frame crosses twice: the client's request in, the audio out. The talker's answer for a frame is
 handed to code2wav's engine as a function call, and the two stages share one CUDA context.
 

@@ -28,7 +28,7 @@ class StageInfo:
 def stage_process(params: dict[str, str], device: str) -> bool:
     """A model's `stage_process` parameter: whether its stage runs in a process of its own;
     "auto": on a GPU (where it took the tick off the stub's GIL), not on a CPU (where two more
-    processes on a few cores cost more than they save; docs/gpu-serving.md)."""
+    processes on a few cores cost more than they save; docs/gpu-serving-log.md)."""
     value = params.get("stage_process", "auto").strip().lower()
     if value not in ("auto", "true", "false"):
         raise ValueError(f'parameter stage_process must be "auto", "true" or "false", got {value!r}')

@@ -88,11 +88,13 @@ def test_a_graphed_step_carries_any_slots(lm, kv_dtype):
 @pytest.mark.parametrize("dtype, stored, dot_dtype, stages", [
     (torch.float32, torch.float32, None, None), (torch.bfloat16, torch.bfloat16, None, None),
     (torch.bfloat16, torch.float8_e4m3fn, None, None), (torch.bfloat16, torch.float8_e4m3fn, torch.float16, None),
-    (torch.bfloat16, torch.float8_e4m3fn, None, 5)])
+    (torch.bfloat16, torch.float8_e4m3fn, None, 5),
+    (torch.bfloat16, torch.float8_e4m3fn, ring_attention.FP8_LAUNCH["dot_dtype"], ring_attention.FP8_LAUNCH["stages"])])
 def test_ring_attention_kernel_matches_softmax_attention(dtype, stored, dot_dtype, stages):
     """Rows with no entry, part of the ring and all of it (3000 entries, 12 splits), against
     softmax attention over the values the cache stores; an fp8 ring also through fp16 dots,
-    and pipelined deeper (`stages`: more loads in flight)."""
+    pipelined deeper (`stages`: more loads in flight), and as the decode step launches it
+    (`FP8_LAUNCH`)."""
     torch.manual_seed(0)
     B, H, C, D = 4, 8, 3000, 128
     cache = kv_cache.store(torch.randn(2, B, H, C, D, device="cuda", dtype=dtype), stored)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The container's server: a model repository for this host's GPUs (one talker and one code2wav
-# instance per GPU, pools sized by the environment; PERSONAPLEX_ONE_STUB=1: one `speech` instance
-# per GPU, both stages in one Python stub), then tritonserver with the secure defaults.
+# The container's server: a model repository for this host's GPUs (one `speech` instance per GPU,
+# both stages in one Python stub, pools sized by the environment: on GPUs one stub has held more
+# than two, docs/deployment.md; PERSONAPLEX_ONE_STUB=0: one talker and one code2wav instance per
+# GPU), then tritonserver with the secure defaults.
 set -euo pipefail
 repository=/srv/model_repository
-if [[ ${PERSONAPLEX_ONE_STUB:-0} == 1 ]]; then
+if [[ ${PERSONAPLEX_ONE_STUB:-1} == 1 ]]; then
     layout=(--one-stub) talker_pool=speech.max_conversations decoder_pool=speech.decoder_conversations
 else
     layout=() talker_pool=talker.max_conversations decoder_pool=code2wav.max_conversations

@@ -46,6 +46,7 @@ def test_compose_file_is_valid_and_serves_on_the_gpu():
     assert any(v.endswith(":/checkpoint:ro") for v in triton["volumes"]) or any(
         isinstance(v, dict) and v.get("target") == "/checkpoint" for v in triton["volumes"])
     assert triton["environment"]["PERSONAPLEX_ADMIN_KEY"] == "k"
+    assert str(triton["environment"]["PERSONAPLEX_ONE_STUB"]) == "1"  # deploy/serve.sh: both stages in one stub
 
 
 def test_compose_gateway_waits_for_triton_and_checks_its_own_health():

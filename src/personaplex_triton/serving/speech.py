@@ -4,7 +4,10 @@ Through the ensemble a frame crosses between tritonserver and a Python stub four
 talker's request and response, code2wav's request and response), about half a millisecond each
 (docs/gpu-serving-log.md). `SpeechService` chains the two services of serving.py in one stub, so a
 frame crosses twice: the client's request in, the audio out. The talker's answer for a frame is
-handed to code2wav's engine as a function call, and the two stages share one CUDA context.
+handed to code2wav's engine as a function call. The stages' models share the stub's process and
+CUDA context, or, with `stage_process` (the default on a GPU), each runs in a child process and
+CUDA context of its own (engine/stage_process.py), code2wav's built first so that the talker
+sizes its pool from what code2wav left free.
 
 It answers a request as the ensemble does: one response (audio + text) per frame, in order, the
 request's last frame completing it; an error after the audio of every frame that got that far.

@@ -1,14 +1,15 @@
-"""What Triton adds to a frame, the two stages in two stubs against both in one: paced
-conversations through each model repository in turn, their frames followed through the stages.
+"""What Triton adds to a frame, the two stages in two stubs, in one, and in one tick: paced
+conversations through each server in turn, their frames followed through the stages.
 
 Each round runs `python -m bench.run --stages load --conversations N --seconds S --trace-dir DIR`
 once on `model_repository` (talker and code2wav, two Python stubs: a frame crosses between
-tritonserver and a stub four times) and once with `--one-stub` (`speech`: twice), each starting
-its own server. Per repository, the median over rounds of each segment of a frame's trip
-(core/trace.py) and of their sum outside the two ticks: what Triton, the stubs and the hand-off
-between the stages add.
+tritonserver and a stub four times), once with `--one-stub` (`speech`: twice) and once more with
+`--set speech.one_tick=true` (one engine's tick steps both stages), each starting its own
+server. Per server, the median over rounds of each segment of a frame's trip (core/trace.py) and
+of their sum outside the two ticks: what Triton, the stubs and the hand-off between the stages add.
 
     python -m bench.crossings --rounds 3 --seconds 30 --name cpu2-intel-xeon
+    python -m bench.crossings --repositories "one stub" "one tick" --rounds 1 --seconds 20
 
 writes bench/results/<date>-<name>-crossings.{md,json,png}.
 """
@@ -25,7 +26,8 @@ from bench import report
 from bench.runs import load_level
 from personaplex_triton.core.trace import SEGMENTS
 
-REPOSITORIES = {"two stubs": [], "one stub": ["--one-stub"]}  # label: bench.run's options
+REPOSITORIES = {"two stubs": [], "one stub": ["--one-stub"],  # label: bench.run's options
+                "one tick": ["--one-stub", "--set", "speech.one_tick=true"]}
 TICKS = ("talker tick", "code2wav tick")
 
 
@@ -43,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--repositories", nargs="+", choices=list(REPOSITORIES), default=list(REPOSITORIES),
+                        help="which servers take turns (default: all)")
     parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
     parser.add_argument("--name", default=report.machine()["slug"])
     parser.add_argument("--commit", help="the tree measured, for the header (default: git's; a copied checkout's "
@@ -55,15 +59,16 @@ def main(argv=None) -> int:
     started = report.now()
     runs = []
     for round_ in range(1, args.rounds + 1):
-        for label, options in REPOSITORIES.items():
-            run = {"round": round_, "repository": label, **one_run(options, args.conversations, args.seconds)}
+        for label in args.repositories:
+            run = {"round": round_, "repository": label,
+                   **one_run(REPOSITORIES[label], args.conversations, args.seconds)}
             runs.append(run)
             print(f"{report.now():%H:%M:%S} round {round_}, {label}: p50 {run['p50']} ms, outside the ticks "
                   f"{run['outside_ticks_ms']} ms", file=sys.stderr, flush=True)
     result = report.run_record("bench.crossings", argv, args.commit, started, conversations=args.conversations,
                                seconds=args.seconds, runs=runs,
                                summary={label: summary([r for r in runs if r["repository"] == label])
-                                        for label in REPOSITORIES})
+                                        for label in args.repositories})
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}-crossings", markdown, plot)
     return 0
 
@@ -78,11 +83,12 @@ def summary(runs: list[dict]) -> dict:
 def markdown(result: dict, plot_name: str) -> str:
     summaries = result["summary"]
     labels = list(summaries)
-    lines = [*report.run_heading(result, "What Triton adds to a frame: two stubs against one"),
+    lines = [*report.run_heading(result, "What Triton adds to a frame: " + ", ".join(labels)),
              f"- Each run: `bench.run --stages load --conversations {result['conversations']} --seconds "
-             f"{result['seconds']:g} --trace-dir DIR` on a server of its own, model_repository (two stubs) and "
-             "model_repository_one_stub (one stub) taking turns; each segment's median over the run's frames, "
-             "then the median over the runs.", "",
+             f"{result['seconds']:g} --trace-dir DIR` on a server of its own, taking turns: model_repository "
+             "(two stubs), model_repository_one_stub (one stub), and it with `speech.one_tick=true` (one tick: "
+             "the talker's tick ends where the decode begins, and nothing waits between them); each segment's "
+             "median over the run's frames, then the median over the runs.", "",
              "| segment (median ms) | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
     for name, _, _ in SEGMENTS:
         lines.append(f"| {name} | " + " | ".join(str(summaries[label]["segments_ms"][name]) for label in labels) + " |")

@@ -54,7 +54,8 @@ def mimi_runtimes_in_log(server_log: Path) -> dict[str, str]:
 
 def server_info(url: str, server_log: Path | None = None) -> dict:
     """What the server says of itself: Triton version, whether it runs both stages in one stub
-    (`one_stub`: the `speech` model of model_repository_one_stub), and per stage its config
+    (`one_stub`: the `speech` model of model_repository_one_stub) and in one tick (`one_tick`),
+    and per stage its config
     parameters (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype), from the
     stage's model or from `speech`. With the server's log at hand, the Mimi runtime is the one
     each stage says it runs ("auto: onnxruntime")."""
@@ -64,7 +65,8 @@ def server_info(url: str, server_log: Path | None = None) -> dict:
     slots, sends = slots_in_log(log), send_threads_in_log(log)
     try:
         one_stub = params_of(client, "speech") if client.is_model_ready("speech") else None
-        info = {"triton_version": client.get_server_metadata().version, "one_stub": one_stub is not None}
+        info = {"triton_version": client.get_server_metadata().version, "one_stub": one_stub is not None,
+                "one_tick": one_stub is not None and one_stub.get("one_tick") == "true"}
         for model in ("talker", "code2wav"):
             params = params_of(client, model) if one_stub is None else one_stub
             runtime = params.get("mimi_runtime", "")
@@ -215,6 +217,8 @@ def markdown(result: dict) -> str:
     gpus = ", ".join(m["gpus"]) or "no GPU"
     stages = ("both stages in one Python stub (`speech`, model_repository_one_stub)" if h.get("one_stub")
               else "the stages as two models (model_repository)")
+    if h.get("one_tick"):
+        stages += ", stepped in one tick (`one_tick`)"
     lines = [f"# PersonaPlex on Triton: benchmark of {h['date']}", "",
              f"- Command: `{h['command']}`",
              f"- Bench machine: {m['cpu']}, {m['cores']} cores, {gpus}",

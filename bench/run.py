@@ -27,6 +27,7 @@ from personaplex_stream import stream_conversation
 from personaplex_triton.core.loaders import checkpoint_spec
 from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY, REPO_ROOT
 from personaplex_triton.core.trace import TRACE_DIR_ENV
+from personaplex_triton.serving import model_configs
 from personaplex_triton.serving.launch import TritonServer
 
 from . import loadgen, overhead, perf_analyzer, report, stats
@@ -48,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--one-stub", action="store_true",
                         help="without --url: start the server on model_repository_one_stub (both stages in one "
                              "Python stub) instead of model_repository")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                        help="without --url: a model parameter of the server it starts (on a copy of the model "
+                             "repository), e.g. speech.one_tick=true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--server-log", type=Path,
                         help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
@@ -111,14 +115,29 @@ def main(argv=None) -> int:
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
                       server_log=args.server_log, metrics_url=None if metrics_url == "none" else metrics_url)
     repository = ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY
-    log(f"[server] starting tritonserver on {repository.name}")
+    log(f"[server] starting tritonserver on {repository.name}" + "".join(f" --set {item}" for item in args.set))
     args.out.mkdir(parents=True, exist_ok=True)
     env = {TRACE_DIR_ENV: str(args.trace_dir)} if args.trace_dir else {}
-    with TritonServer(repository, env=env, log_path=args.out / "tritonserver.log") as server:
+    with tempfile.TemporaryDirectory() as copy, \
+            TritonServer(_with_parameters(repository, args.set, Path(copy)), env=env,
+                         log_path=args.out / "tritonserver.log") as server:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
         return _bench(args, server.grpc_url, where, started, clock, local=True,
                       server_log=args.out / "tritonserver.log", metrics_url=server.metrics_url)
+
+
+def _with_parameters(repository: Path, settings: list[str], scratch: Path) -> Path:
+    """`repository`, or with `settings` (MODEL.KEY=VALUE) a copy of it under `scratch`."""
+    if not settings:
+        return repository
+    try:
+        overrides = dict(item.split("=", 1) for item in settings)
+    except ValueError:
+        raise SystemExit(f"--set takes MODEL.KEY=VALUE, got {settings}") from None
+    copy = scratch / repository.name
+    model_configs.write(copy, overrides=overrides, one_stub=repository == ONE_STUB_REPOSITORY)
+    return copy
 
 
 def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None,
@@ -141,7 +160,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
               "command": args.command,
               "machine": machine, "server": where, "triton_version": info["triton_version"],
               "checkpoint": checkpoint, "talker": info["talker"], "code2wav": info["code2wav"],
-              "one_stub": info["one_stub"], "commit": args.commit or report.git_commit(),
+              "one_stub": info["one_stub"], "one_tick": info["one_tick"], "commit": args.commit or report.git_commit(),
               "load_average_start": round(os.getloadavg()[0], 2),
               "persona": {"voice": PERSONA.voice, "text_prompt": PERSONA.text_prompt},
               "conversation_s": round(args.frames * stats.FRAME_MS / 1000, 2),

@@ -278,6 +278,20 @@ def test_aged_context_is_labelled_in_the_file_name_and_the_report():
         run.parse_args(["--seconds", "3", "--persona-every", "30"])  # no newcomer would come
 
 
+def test_bench_runs_its_server_with_the_parameters_set_on_a_copy_of_the_repository(tmp_path):
+    from bench import run
+    from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
+
+    assert run._with_parameters(ONE_STUB_REPOSITORY, [], tmp_path) == ONE_STUB_REPOSITORY
+    copy = run._with_parameters(ONE_STUB_REPOSITORY, ["speech.one_tick=true"], tmp_path)
+    assert copy.parent == tmp_path and (copy / "speech" / "1" / "model.py").is_file()
+    config = (copy / "speech" / "config.pbtxt").read_text()
+    assert '{ key: "one_tick" value: { string_value: "true" } }' in config
+    assert '{ key: "one_tick" value: { string_value: "false" } }' in (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
+    with pytest.raises(SystemExit, match="MODEL.KEY=VALUE"):
+        run._with_parameters(ONE_STUB_REPOSITORY, ["speech.one_tick"], tmp_path)
+
+
 @pytest.mark.integration
 def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(server, tmp_path):
     """bench.run's load stage, briefly: 2 conversations aged by 10 unpaced frames, then 3 s

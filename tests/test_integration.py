@@ -166,24 +166,44 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
                                         "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}
 
 
-def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path):
+@pytest.mark.parametrize("one_tick", [False, True], ids=["two engines", "one tick in a process of its own"])
+def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path, one_tick):
     """model_repository_one_stub (both stages in one stub, `speech`, behind the same `ensemble`):
     two conversations at once get every frame, in order, the first exactly what the two-stub
-    server gives it; its log names both stages' pools and Mimi runtimes, as the bench reads them."""
-    from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
-    from personaplex_triton.serving.launch import TritonServer
+    server gives it; its log names both stages' pools and Mimi runtimes, as the bench reads them.
+    With `one_tick` (and `stage_process`), one engine's tick steps both stages in the stub's one
+    child process."""
+    import shutil
 
-    with TritonServer(ONE_STUB_REPOSITORY, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)},
+    from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
+    from personaplex_triton.serving import model_configs
+    from personaplex_triton.serving.launch import TritonServer, child_processes
+
+    repository = ONE_STUB_REPOSITORY
+    if one_tick:
+        repository = tmp_path / "model_repository_one_stub"
+        shutil.copytree(ONE_STUB_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+        model_configs.main(["--one-stub", "--out", str(repository), "--set", "speech.one_tick=true",
+                            "--set", "speech.stage_process=true"])
+    with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)},
                       log_path=tmp_path / "tritonserver.log") as server:
         a, b, other_audio = two_conversations_at_once(server.grpc_url, user_audio)
         assert len(server.stub_pids()) == 1
+        workers = [pid for pid, argv in child_processes(server.stub_pids()[0]).items()
+                   if "personaplex_triton.engine.stage_process" in " ".join(argv)]
         log = server.log_path.read_text()
     assert a.frames_received == FIVE_SECONDS and b.frames_received == len(audio.split_frames(other_audio))
     assert a.text_pieces == solo.text_pieces
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
     assert set(slots_in_log(log)) == {"talker", "code2wav"}
     assert "talker: Mimi encoder on" in log and "code2wav: Mimi decoder on" in log
-    assert send_threads_in_log(log) == {"talker": 1, "code2wav": 1}  # auto, on a CPU
+    if one_tick:
+        assert len(workers) == 1 and "speech: the stage runs in process" in log
+        assert send_threads_in_log(log) == {"talker": loaders.STAGE_PROCESS_SEND_THREADS,
+                                            "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}
+    else:
+        assert workers == []  # auto, on a CPU: the stages tick in the stub
+        assert send_threads_in_log(log) == {"talker": 1, "code2wav": 1}
 
 
 @pytest.mark.parametrize("change", [dict(seed=99), dict(voice="NATM0"), dict(text_prompt="Talk about cooking.")])

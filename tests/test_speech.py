@@ -133,3 +133,101 @@ def test_a_bad_request_gets_its_error_and_no_audio(speech):
     speech.handle(7, False, True, {contract.AUDIO_IN: np.zeros(contract.FRAME_SAMPLES, np.float32)},
                   lambda outputs, last: sent.append(last), errors.append)
     assert sent == [] and "conversation 7 is not open" in errors[1]
+
+
+@pytest.fixture(scope="module")
+def one_tick(tiny_checkpoint):
+    service = SpeechService(str(tiny_checkpoint), max_conversations=2, decoder_conversations=4, warm_personas="",
+                            one_tick=True)
+    yield service
+    service.close()
+
+
+def test_one_tick_answers_what_the_stages_compute(one_tick):
+    """`one_tick`: one engine whose tick steps the talker, then decodes its frames; every frame,
+    in order, is what the talker and code2wav give when stepped by hand, as in two engines."""
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.stages.code2wav import CodesFrame
+    from personaplex_triton.stages.talker import TalkerSetup
+
+    assert one_tick.code2wav is None and one_tick.talker.engine.stage.num_slots == 2  # the talker's pool, not code2wav's 4
+    pcm = np.random.default_rng(4).uniform(-0.3, 0.3, 7 * contract.FRAME_SAMPLES).astype(np.float32)
+    arrays = {contract.VOICE: np.array([b"NATM0"], np.object_), contract.SEED: np.array([7], np.int64)}
+    got_audio, got_text, errors = converse(one_tick, 5, pcm, arrays)
+    assert errors == [None, None, None] and len(got_text) == 7
+
+    stage = one_tick.talker.talker
+    talker, decoder = stage.talker, stage.code2wav
+    talker.start(0, TalkerSetup(one_tick.talker.personas.persona("NATM0", ""), SamplingParams(seed=7)))
+    decoder.start(0)
+    expected_audio, expected_text = [], []
+    try:
+        for frame in audio.split_frames(pcm):
+            step = talker.tick({0: frame})[0]
+            expected_audio.append(decoder.tick({0: CodesFrame(step.codes)})[0])
+            expected_text.append(talker.text_piece(step.text_token))
+    finally:
+        talker.stop(0)
+    assert got_text == expected_text
+    np.testing.assert_allclose(got_audio, np.concatenate(expected_audio), atol=1e-5)
+
+
+def test_one_tick_ends_a_conversation_with_an_empty_end_request(one_tick):
+    """An end request without frames finishes after the frames before it, with no response of
+    its own (no later stage to tell), and frees the conversation's slot: more conversations
+    than the pool's 2 start one after another."""
+    for conversation in (11, 12, 13):
+        calls, done = [], threading.Event()
+        one_tick.handle(conversation, True, False, {contract.AUDIO_IN: np.zeros(2 * contract.FRAME_SAMPLES, np.float32),
+                                                    contract.VOICE: np.array([b"NATF0"], np.object_)},
+                        lambda outputs, last: calls.append(("audio", outputs[contract.AUDIO_OUT].shape, last)),
+                        lambda error: calls.append(("finish", error)))
+        one_tick.handle(conversation, False, True, {contract.AUDIO_IN: np.zeros(0, np.float32)},
+                        lambda outputs, last: calls.append(("end audio", last)),
+                        lambda error: (calls.append(("end", error)), done.set()))
+        assert done.wait(60)
+        assert calls == [("audio", (contract.FRAME_SAMPLES,), False), ("audio", (contract.FRAME_SAMPLES,), True),
+                         ("finish", None), ("end", None)]
+
+
+def test_one_tick_in_a_process_of_its_own_traces_both_stages(tiny_checkpoint, tmp_path, monkeypatch):
+    """With `stage_process`, both stages tick in one child process; the frame trace reads as the
+    two stages' (core/trace.py): the talker's tick up to the split, code2wav's after it, in
+    order, for every frame answered."""
+    from personaplex_triton.core import trace
+    from personaplex_triton.core.metrics import Metrics
+
+    class Heartbeats(Metrics):
+        def __init__(self):
+            self.up = []
+
+        def alive(self, up):
+            self.up.append(up)
+
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path))
+    code2wav_metrics = Heartbeats()
+    service = SpeechService(str(tiny_checkpoint), max_conversations=2, warm_personas="", one_tick=True,
+                            stage_process=True, code2wav_metrics=code2wav_metrics)
+    try:
+        pcm = np.random.default_rng(5).uniform(-0.3, 0.3, 4 * contract.FRAME_SAMPLES).astype(np.float32)
+        _, texts, errors = converse(service, 8, pcm, {contract.VOICE: np.array([b"NATF0"], np.object_)})
+        assert errors == [None, None] and len(texts) == 4
+        assert any(line.startswith("code2wav: Mimi decoder on") for line in service.load_log_lines())
+    finally:
+        service.close()
+    talker = {r["index"]: r for r in trace.read(tmp_path, "talker") if r["conversation"] == 8}
+    code2wav = {r["index"]: r for r in trace.read(tmp_path, "code2wav") if r["conversation"] == 8}
+    assert sorted(talker) == sorted(code2wav) == [0, 1, 2, 3]
+    for index, spoke in talker.items():
+        decoded = code2wav[index]
+        assert spoke["tick_start"] <= spoke["tick_end"] == spoke["sent"] == decoded["queued"] == decoded["tick_start"]
+        assert decoded["tick_start"] <= decoded["tick_end"] <= decoded["sent"]
+    assert code2wav_metrics.up[0] is True and code2wav_metrics.up[-1] is False  # the engine's heartbeat, then its end
+
+
+def test_the_one_tick_parameter_is_true_or_false():
+    from personaplex_triton.serving.speech import one_tick
+
+    assert one_tick({}) is False and one_tick({"one_tick": " True "}) is True
+    with pytest.raises(ValueError, match='one_tick must be "true" or "false", got \'yes\''):
+        one_tick({"one_tick": "yes"})

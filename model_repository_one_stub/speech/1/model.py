@@ -4,8 +4,8 @@ frame (the ensemble's contract), a frame crossing into and out of the stub once.
 import numpy as np
 
 from personaplex_triton.core import contract, loaders
-from personaplex_triton.serving.serving import load_log_lines, pick_device
-from personaplex_triton.serving.speech import SpeechService
+from personaplex_triton.serving.serving import pick_device
+from personaplex_triton.serving.speech import SpeechService, one_tick
 from personaplex_triton.serving.stage_builds import send_threads, stage_process, talker_options
 from personaplex_triton.serving.triton_adapter import (
     ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
@@ -26,10 +26,9 @@ class TritonPythonModel(ConversationModel):
             # The stages' metrics keep their own labels: dashboards and the health check read them.
             talker_metrics=TritonMetrics("talker"), code2wav_metrics=TritonMetrics("code2wav"),
             idle_timeout_s=float(params["idle_timeout_s"]), stage_process=own_process,
-            **talker_options(params))
-        for stage, stage_service in (("talker", service.talker), ("code2wav", service.code2wav)):
-            for line in load_log_lines(stage, stage_service.info, stage_service.engine.send_threads):
-                log_info(line)
+            one_tick=one_tick(params), **talker_options(params))
+        for line in service.load_log_lines():
+            log_info(line)
         self.serve_conversations(args, service, INPUTS)
 
     def end_requests(self, key):

@@ -35,9 +35,12 @@ class FrameTrace:
         return self._file is not None
 
     def frame(self, conversation: int, index: int, queued: float, tick_start: float, tick_end: float,
-              tick_cpu: float, rows: int, sent: float) -> None:
+              tick_cpu: float, rows: int, sent: float, split: float | None = None) -> None:
+        """`split`: a tick that stepped both stages (stages/speech.py) began decoding then."""
         record = {"conversation": conversation, "index": index, "queued": queued, "tick_start": tick_start,
                   "tick_end": tick_end, "tick_cpu": tick_cpu, "rows": rows, "sent": sent}
+        if split is not None:
+            record["split"] = split
         with self._lock:
             self._file.write(json.dumps(record) + "\n")
 
@@ -48,11 +51,22 @@ class FrameTrace:
 
 
 def read(directory: str | os.PathLike, stage: str) -> list[dict]:
-    """Every frame record of `stage` under `directory` (all its processes)."""
-    records = []
-    for path in sorted(Path(directory).glob(f"{stage}-*.jsonl")):
-        with open(path) as lines:
-            records += [json.loads(line) for line in lines if line.strip()]
+    """Every frame record of `stage` under `directory` (all its processes). A talker record with
+    a `split` is of a tick that stepped both stages (stages/speech.py): it reads as the talker's
+    tick up to the split, answered at once, and code2wav's from the split, its frame queued
+    then; so every reader of the trace sees a frame's trip in the same segments (SEGMENTS)."""
+    def lines_of(name: str) -> list[dict]:
+        found = []
+        for path in sorted(Path(directory).glob(f"{name}-*.jsonl")):
+            with open(path) as lines:
+                found += [json.loads(line) for line in lines if line.strip()]
+        return found
+
+    records = lines_of(stage)
+    if stage == "talker":
+        return [{**r, "tick_end": r["split"], "sent": r["split"]} if "split" in r else r for r in records]
+    if stage == "code2wav":
+        records += [{**r, "queued": r["split"], "tick_start": r["split"]} for r in lines_of("talker") if "split" in r]
     return records
 
 

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..core import metrics as reasons
 from ..core.faults import FaultPlan
@@ -32,6 +32,18 @@ def finish(name: str, on_done: Callable[[str | None], None], error: str | None) 
         log.exception("%s: answering a request failed", name)
 
 
+class TickSpan(NamedTuple):
+    """A tick as the frame trace records it: its wall-clock start and end, the CPU time of the
+    thread that ran it (a tick's GPU waits spin on the CPU, so a tick far longer than its CPU time
+    waited off it: for the GIL, held by the stub's other threads, or a lock) and, for a stage
+    that steps both stages in one tick (stages/speech.py), when its second part began."""
+
+    start: float
+    end: float
+    cpu: float
+    split: float | None = None
+
+
 @dataclass
 class Answer:
     """A stage's output for one item, waiting in the outbox."""
@@ -40,7 +52,7 @@ class Answer:
     output: Any
     index: int          # the item's index in its conversation
     queued: float       # for the frame trace: when the item was queued, the tick that took it
-    tick_span: tuple    # the tick's start, end (wall clock) and CPU seconds (Ticker.tick_span)
+    tick_span: TickSpan
     rows: int
 
 
@@ -79,7 +91,9 @@ class AnswerSender:
             return
         self.metrics.frame_answered(time.monotonic() - request.received)
         if self.trace.enabled:
-            self.trace.frame(conv.key, answer.index, answer.queued, *answer.tick_span, answer.rows, time.time())
+            span = answer.tick_span
+            self.trace.frame(conv.key, answer.index, answer.queued, span.start, span.end, span.cpu, answer.rows,
+                             time.time(), split=span.split)
         request.answered += 1
         if last:
             with self._lock:

@@ -83,6 +83,7 @@ class StageProcess:
         self._call_lock = threading.Lock()  # one call and its answer at a time (the loop's; `close`)
         self._died: str | None = None
         self.last_tick_cpu_s = 0.0  # the child's CPU time in the last tick (the tick's trace)
+        self.last_tick_split: float | None = None  # the stage's own, where it has one (stages/speech.py)
         self._conn, child = Pipe(duplex=True)
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
@@ -105,7 +106,7 @@ class StageProcess:
 
     # -- engine.Stage ------------------------------------------------------------------------
     def tick(self, items: dict[int, Any]) -> dict[int, Any]:
-        outputs, self.last_tick_cpu_s = self._call("tick", items)
+        outputs, self.last_tick_cpu_s, self.last_tick_split = self._call("tick", items)
         return outputs
 
     def start_many(self, setups: dict[int, Any]) -> dict[int, Exception]:
@@ -248,7 +249,7 @@ def serve(conn: Connection, name: str = "stage") -> None:
             elif op == "tick":
                 cpu = time.thread_time()
                 outputs = stage.tick(*args)
-                value = (outputs, time.thread_time() - cpu)
+                value = (outputs, time.thread_time() - cpu, getattr(stage, "last_tick_split", None))
             elif op == "start_many":
                 value = stage.start_many(*args)
             elif op == "begin_starts":

@@ -19,7 +19,7 @@ import torch
 from ..core import metrics as reasons
 from ..core.faults import FaultPlan, SlotFault
 from ..core.metrics import Metrics
-from .answers import Answer
+from .answers import Answer, TickSpan
 from .conversations import Conversation
 from .outbox import Outbox
 from .stage_process import StageProcessDied
@@ -45,10 +45,8 @@ class Ticker:
         self.faults = faults
         self._on_tick = on_tick
         self._on_out_of_memory = on_out_of_memory
-        # The last tick's wall-clock start and end and the CPU time of the thread that ran it, for
-        # the trace: a tick's GPU waits spin on the CPU, so a tick far longer than its CPU time
-        # waited off it (for the GIL, held by the stub's other threads, or a lock).
-        self.tick_span = (0.0, 0.0, 0.0)
+        # The last tick, for the trace (answers.py).
+        self.tick_span = TickSpan(0.0, 0.0, 0.0)
 
     def tick(self, batch) -> None:
         """Step `batch` (a TickPlan's items, scheduler.py) and put its answers in the outbox."""
@@ -88,7 +86,8 @@ class Ticker:
                 outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
                 # a stage in a process of its own (stage_process.py) ticks on that process's CPU
                 reported = getattr(self.stage, "last_tick_cpu_s", None)
-                self.tick_span = (began, time.time(), time.thread_time() - cpu if reported is None else reported)
+                self.tick_span = TickSpan(began, time.time(), time.thread_time() - cpu if reported is None else reported,
+                                          getattr(self.stage, "last_tick_split", None))
             except StageProcessDied:  # nothing to retry: the engine stops (engine_loop.py)
                 raise
             except SlotFault as exc:

@@ -198,10 +198,10 @@ class TalkerService:
         files = loaders.resolve_checkpoint(checkpoint)
         self.tokenizer = loaders.get_tokenizer(files)
         self.personas = PersonaLibrary(files, self.tokenizer)
-        self.talker, self.info = open_stage("talker", build_talker, dict(
+        self.talker, self.info = self._open_stage(dict(
             checkpoint=checkpoint, max_conversations=max_conversations, device=device,
             persona_cache_size=persona_cache_size, mimi_runtime=mimi_runtime, warm_personas=warm_personas,
-            dtype=dtype, kv_dtype=kv_dtype), stage_process, self.metrics)
+            dtype=dtype, kv_dtype=kv_dtype), stage_process)
         # Admission by time and by the sends on a GPU; on a CPU the pool alone (a shared
         # VM's few cores stall ticks and sends now and then, and its pool is a handful).
         on_gpu = device.startswith("cuda")
@@ -231,14 +231,13 @@ class TalkerService:
             refuse(finish, exc, self.metrics)
             return
         def on_output(step, index, last):
-            send(seam_frame(conversation, index, end and last, step.codes.astype(np.int64),
-                            text_piece(self.tokenizer, step.text_token), step.tick), last)
+            send(self._answer(conversation, step, index, end and last), last)
 
         def finish_with_close(error):
-            """An end request without frames: code2wav hears of the end through a close marker."""
-            if error is None:
-                send(seam_frame(conversation, seam.CLOSE_ONLY, True,
-                                np.zeros(seam.NUM_AGENT_CODEBOOKS, np.int64), ""), True)
+            """An end request without frames: a later stage hears of the end through a close marker."""
+            marker = self._close_marker(conversation)
+            if error is None and marker is not None:
+                send(marker, True)
             finish(error)
 
         try:
@@ -247,6 +246,19 @@ class TalkerService:
                                close=end, is_cancelled=is_cancelled)
         except ConversationError as exc:
             refuse(finish, exc, self.metrics)
+
+    def _open_stage(self, options: dict, own_process: bool):
+        """(the engine's stage, StageInfo) of the build options."""
+        return open_stage("talker", build_talker, options, own_process, self.metrics)
+
+    def _answer(self, conversation: int, step, index: int, final: bool) -> dict:
+        """A stage's output for a frame (stages/talker.AgentStep), as the response's tensors."""
+        return seam_frame(conversation, index, final, step.codes.astype(np.int64),
+                          text_piece(self.tokenizer, step.text_token), step.tick)
+
+    def _close_marker(self, conversation: int) -> dict | None:
+        """What answers an end request without frames (None: nothing, only the request's end)."""
+        return seam_frame(conversation, seam.CLOSE_ONLY, True, np.zeros(seam.NUM_AGENT_CODEBOOKS, np.int64), "")
 
     def _setup(self, arrays: dict):
         from ..stages.talker import TalkerSetup

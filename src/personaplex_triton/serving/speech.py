@@ -9,6 +9,10 @@ CUDA context, or, with `stage_process` (the default on a GPU), each runs in a ch
 CUDA context of its own (engine/stage_process.py), code2wav's built first so that the talker
 sizes its pool from what code2wav left free.
 
+With `one_tick`, one engine serves both: its tick steps the talker, then decodes the frames it
+answered (stages/speech.py), in one call, in one process and CUDA context; no hand-off, no
+second engine's tick to wait for. Its metrics are the talker's; its heartbeat is code2wav's too.
+
 It answers a request as the ensemble does: one response (audio + text) per frame, in order, the
 request's last frame completing it; an error after the audio of every frame that got that far.
 """
@@ -17,8 +21,22 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
+from ..core import contract
 from ..core.metrics import Metrics
-from .serving import Code2WavService, Finish, IsCancelled, Send, TalkerService
+from ..stages.speech import SpeechFrame
+from ..stages.talker import text_piece
+from .serving import Code2WavService, Finish, IsCancelled, Send, TalkerService, load_log_lines
+from .stage_builds import build_speech, open_stage
+
+
+def one_tick(params: dict[str, str]) -> bool:
+    """The speech model's `one_tick` parameter."""
+    value = params.get("one_tick", "false").strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f'parameter one_tick must be "true" or "false", got {value!r}')
+    return value == "true"
 
 
 class RequestAnswers:
@@ -73,14 +91,82 @@ class RequestAnswers:
         self._finish(error)
 
 
+class OneEngineMetrics(Metrics):
+    """The one engine's metrics (`one_tick`) are the talker's; its heartbeat is code2wav's too, as
+    the health check reads each model's (health.py)."""
+
+    def __init__(self, talker: Metrics, code2wav: Metrics):
+        self.talker, self.code2wav = talker, code2wav
+
+    def conversations(self, active: int, prefilling: int) -> None:
+        self.talker.conversations(active, prefilling)
+
+    def tick(self, seconds: float, frames: int) -> None:
+        self.talker.tick(seconds, frames)
+
+    def frame_answered(self, latency_s: float) -> None:
+        self.talker.frame_answered(latency_s)
+
+    def rejected(self, reason: str) -> None:
+        self.talker.rejected(reason)
+
+    def persona_cache_lookup(self, hit: bool) -> None:
+        self.talker.persona_cache_lookup(hit)
+
+    def alive(self, up: bool) -> None:
+        self.talker.alive(up)
+        self.code2wav.alive(up)
+
+    def sends_behind(self, seconds: float) -> None:
+        self.talker.sends_behind(seconds)
+
+    def close(self) -> None:
+        self.talker.close()
+        if self.code2wav is not None:
+            self.code2wav.close()
+
+
+class OneTickService(TalkerService):
+    """The talker's service over one engine whose stage is both stages (stages/speech.Speech): a
+    frame's answer is its audio and text. `code2wav_info`: code2wav's StageInfo."""
+
+    def __init__(self, checkpoint: str, max_conversations: int | str, decoder_conversations: int | str = "auto",
+                 **options):
+        self._decoder_conversations = decoder_conversations
+        super().__init__(checkpoint, max_conversations, **options)
+
+    def _open_stage(self, options: dict, own_process: bool):
+        stage, (info, self.code2wav_info) = open_stage(
+            "speech", build_speech, {**options, "decoder_conversations": self._decoder_conversations}, own_process,
+            self.metrics)
+        return stage, info
+
+    def _answer(self, conversation: int, frame: SpeechFrame, index: int, final: bool) -> dict:
+        return {contract.AUDIO_OUT: frame.pcm.astype(np.float32),
+                contract.TEXT_OUT: np.array([text_piece(self.tokenizer, frame.step.text_token).encode()], np.object_)}
+
+    def _close_marker(self, conversation: int) -> None:
+        return None  # no later stage to tell
+
+
 class SpeechService:
     """The ensemble's contract (user audio in, agent audio + text out) served by the two stages
-    chained in this process."""
+    chained in this process, or (`one_tick`) stepped in one engine's ticks."""
 
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  decoder_conversations: int | str = "auto", mimi_runtime: str = "auto", send_threads: int = 1,
                  idle_timeout_s: float = 60.0, stage_process: bool = False, talker_metrics: Metrics | None = None,
-                 code2wav_metrics: Metrics | None = None, **talker_options):
+                 code2wav_metrics: Metrics | None = None, one_tick: bool = False, **talker_options):
+        self.one_tick = one_tick
+        if one_tick:
+            self.talker = OneTickService(checkpoint, max_conversations, decoder_conversations, device=device,
+                                         idle_timeout_s=idle_timeout_s, mimi_runtime=mimi_runtime,
+                                         send_threads=send_threads, stage_process=stage_process,
+                                         metrics=OneEngineMetrics(talker_metrics or Metrics(),
+                                                                  code2wav_metrics or Metrics()),
+                                         **talker_options)
+            self.code2wav = None
+            return
         # code2wav first: on a GPU it takes its largest tick's memory before the talker sizes its pool.
         self.code2wav = Code2WavService(checkpoint, decoder_conversations, device, mimi_runtime, idle_timeout_s,
                                         send_threads=send_threads, stage_process=stage_process,
@@ -90,8 +176,21 @@ class SpeechService:
                                     send_threads=1, stage_process=stage_process, metrics=talker_metrics,
                                     downstream_behind_s=self.code2wav.engine.sends_behind_s, **talker_options)
 
+    def load_log_lines(self) -> list[str]:
+        """What the stages log once loaded (serving.load_log_lines), each under its own name."""
+        if self.one_tick:
+            threads = self.talker.engine.send_threads
+            return (load_log_lines("talker", self.talker.info, threads)
+                    + load_log_lines("code2wav", self.talker.code2wav_info, threads)
+                    + ["speech: one tick steps the talker and decodes its frames (one_tick)"])
+        return [*load_log_lines("talker", self.talker.info, self.talker.engine.send_threads),
+                *load_log_lines("code2wav", self.code2wav.info, self.code2wav.engine.send_threads)]
+
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:
+        if self.one_tick:
+            self.talker.handle(conversation, start, end, arrays, send, finish, is_cancelled)
+            return
         answers = RequestAnswers(send, finish)
 
         def to_code2wav(seam_outputs: dict, last: bool) -> None:
@@ -107,5 +206,6 @@ class SpeechService:
 
     def close(self) -> None:
         self.talker.close()
-        self.code2wav.close()
+        if self.code2wav is not None:
+            self.code2wav.close()
 

@@ -9,7 +9,7 @@ that name: directly in the stub, through the pipe from a stage's process.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..core import loaders
@@ -128,6 +128,24 @@ def build_code2wav(checkpoint: str, max_conversations: int | str, device: str, m
     if device.startswith("cuda"):
         decoder.take_largest_tick()
     return decoder, StageInfo(slots, why, mimi.describe())
+
+
+def build_speech(checkpoint: str, max_conversations: int | str, decoder_conversations: int | str, device: str,
+                 persona_cache_size: int, mimi_runtime: str, warm_personas: str, dtype: str, kv_dtype: str,
+                 emit: Emit):
+    """Both stages as one (stages/speech.Speech), code2wav's built first as in two processes
+    (its largest tick's memory taken before the talker sizes its pool); its info is the talker's
+    and code2wav's StageInfo."""
+    from ..stages.speech import Speech
+
+    code2wav, code2wav_info = build_code2wav(checkpoint, decoder_conversations, device, mimi_runtime, emit)
+    talker, talker_info = build_talker(checkpoint, max_conversations, device, persona_cache_size, mimi_runtime,
+                                       warm_personas, dtype, kv_dtype, emit)
+    stage = Speech(talker, code2wav)
+    if stage.num_slots < talker_info.slots:
+        talker_info = replace(talker_info, slots=stage.num_slots,
+                              slots_why=f"{talker_info.slots_why}; code2wav has {code2wav_info.slots}")
+    return stage, (talker_info, code2wav_info)
 
 
 def open_stage(name: str, build: Callable, options: dict, own_process: bool, metrics):

@@ -28,6 +28,9 @@ from personaplex_triton.core.trace import SEGMENTS
 
 REPOSITORIES = {"two stubs": [], "one stub": ["--one-stub"],  # label: bench.run's options
                 "one tick": ["--one-stub", "--set", "speech.one_tick=true"]}
+SERVERS = {"two stubs": "model_repository (two stubs)", "one stub": "model_repository_one_stub (one stub)",
+           "one tick": "model_repository_one_stub with `speech.one_tick=true` (one tick: the talker's tick ends "
+                       "where the decode begins, and nothing waits between them)"}
 TICKS = ("talker tick", "code2wav tick")
 
 
@@ -85,10 +88,9 @@ def markdown(result: dict, plot_name: str) -> str:
     labels = list(summaries)
     lines = [*report.run_heading(result, "What Triton adds to a frame: " + ", ".join(labels)),
              f"- Each run: `bench.run --stages load --conversations {result['conversations']} --seconds "
-             f"{result['seconds']:g} --trace-dir DIR` on a server of its own, taking turns: model_repository "
-             "(two stubs), model_repository_one_stub (one stub), and it with `speech.one_tick=true` (one tick: "
-             "the talker's tick ends where the decode begins, and nothing waits between them); each segment's "
-             "median over the run's frames, then the median over the runs.", "",
+             f"{result['seconds']:g} --trace-dir DIR` on a server of its own, taking turns: "
+             + ", ".join(SERVERS[label] for label in labels) + "; each segment's median over the run's frames, "
+             "then the median over the runs.", "",
              "| segment (median ms) | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
     for name, _, _ in SEGMENTS:
         lines.append(f"| {name} | " + " | ".join(str(summaries[label]["segments_ms"][name]) for label in labels) + " |")

@@ -25,8 +25,8 @@ from .workload import persona_arrays
 
 
 class InProcessPipeline:
-    """The two services chained in this process (`SpeechService`, as the one-stub repository's
-    `speech` model runs them); frames in, audio out."""
+    """Both stages in this process (`SpeechService`, as the one-stub repository's `speech` model
+    runs them by default: one tick steps both); frames in, audio out."""
 
     def __init__(self, talker_slots: int, code2wav_slots: int, checkpoint: str):
         self.service = SpeechService(checkpoint, talker_slots, pick_device(), code2wav_slots)

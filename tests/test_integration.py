@@ -166,13 +166,20 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
                                         "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}
 
 
-@pytest.mark.parametrize("one_tick", [False, True], ids=["two engines", "one tick in a process of its own"])
-def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path, one_tick):
+ONE_STUB_SETTINGS = {  # id: the speech model's parameters set
+    "one tick, in the stub": [],  # as the repository is, on a CPU
+    "one tick, in a process of its own": ["speech.stage_process=true"],  # as on a GPU
+    "two engines": ["speech.one_tick=false"],
+}
+
+
+@pytest.mark.parametrize("settings", ONE_STUB_SETTINGS.values(), ids=ONE_STUB_SETTINGS.keys())
+def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path, settings):
     """model_repository_one_stub (both stages in one stub, `speech`, behind the same `ensemble`):
     two conversations at once get every frame, in order, the first exactly what the two-stub
     server gives it; its log names both stages' pools and Mimi runtimes, as the bench reads them.
-    With `one_tick` (and `stage_process`), one engine's tick steps both stages in the stub's one
-    child process."""
+    By default one engine's tick steps both stages (`one_tick`), with `stage_process` in the
+    stub's one child process; with `one_tick` false, each stage ticks in an engine of its own."""
     import shutil
 
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
@@ -180,11 +187,10 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
     from personaplex_triton.serving.launch import TritonServer, child_processes
 
     repository = ONE_STUB_REPOSITORY
-    if one_tick:
+    if settings:
         repository = tmp_path / "model_repository_one_stub"
         shutil.copytree(ONE_STUB_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
-        model_configs.main(["--one-stub", "--out", str(repository), "--set", "speech.one_tick=true",
-                            "--set", "speech.stage_process=true"])
+        model_configs.main(["--one-stub", "--out", str(repository), *(f"--set={item}" for item in settings)])
     with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)},
                       log_path=tmp_path / "tritonserver.log") as server:
         a, b, other_audio = two_conversations_at_once(server.grpc_url, user_audio)
@@ -197,7 +203,8 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
     assert set(slots_in_log(log)) == {"talker", "code2wav"}
     assert "talker: Mimi encoder on" in log and "code2wav: Mimi decoder on" in log
-    if one_tick:
+    assert ("one tick steps the talker and decodes its frames" in log) == ("speech.one_tick=false" not in settings)
+    if "speech.stage_process=true" in settings:
         assert len(workers) == 1 and "speech: the stage runs in process" in log
         assert send_threads_in_log(log) == {"talker": loaders.STAGE_PROCESS_SEND_THREADS,
                                             "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}

@@ -67,7 +67,7 @@ def test_a_code2wav_error_ends_the_request_once_and_drops_the_frames_after_it():
 @pytest.fixture(scope="module")
 def speech(tiny_checkpoint):
     service = SpeechService(str(tiny_checkpoint), max_conversations=2, decoder_conversations=4, warm_personas="",
-                            start_piece_spacing=3)
+                            start_piece_spacing=3, one_tick=False)
     yield service
     service.close()
 
@@ -228,6 +228,6 @@ def test_one_tick_in_a_process_of_its_own_traces_both_stages(tiny_checkpoint, tm
 def test_the_one_tick_parameter_is_true_or_false():
     from personaplex_triton.serving.speech import one_tick
 
-    assert one_tick({}) is False and one_tick({"one_tick": " True "}) is True
+    assert one_tick({}) is True and one_tick({"one_tick": " False "}) is False
     with pytest.raises(ValueError, match='one_tick must be "true" or "false", got \'yes\''):
         one_tick({"one_tick": "yes"})

@@ -106,10 +106,10 @@ PARAMETERS = {
 # `speech` takes the talker's parameters (its send threads send the audio) and code2wav's pool.
 PARAMETERS["speech"] = PARAMETERS["talker"] + (
     Parameter("decoder_conversations", "auto", "code2wav's conversation slots: auto: 8 on a CPU, 192 on a GPU."),
-    Parameter("one_tick", "false", "true: one engine's tick steps the talker, then decodes the frames it answered, "
-                                   "in one process\nand CUDA context (a frame's audio comes back with its tick); "
-                                   "false: the stages tick apart, each\nin an engine (and, with stage_process, a "
-                                   "process) of its own, code2wav's tick taking the talker's frames."),)
+    Parameter("one_tick", "true", "true: one engine's tick steps the talker, then decodes the frames it answered, "
+                                  "in one process\nand CUDA context (a frame's audio comes back with its tick); "
+                                  "false: the stages tick apart, each\nin an engine (and, with stage_process, a "
+                                  "process) of its own, code2wav's tick taking the talker's frames."),)
 
 
 @dataclass(frozen=True)

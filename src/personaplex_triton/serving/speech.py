@@ -11,7 +11,8 @@ sizes its pool from what code2wav left free.
 
 With `one_tick`, one engine serves both: its tick steps the talker, then decodes the frames it
 answered (stages/speech.py), in one call, in one process and CUDA context; no hand-off, no
-second engine's tick to wait for. Its metrics are the talker's; its heartbeat is code2wav's too.
+second engine's tick to wait for. Its metrics are the talker's, and code2wav's where true of it
+(`OneEngineMetrics`).
 
 It answers a request as the ensemble does: one response (audio + text) per frame, in order, the
 request's last frame completing it; an error after the audio of every frame that got that far.
@@ -33,7 +34,7 @@ from .stage_builds import build_speech, open_stage
 
 def one_tick(params: dict[str, str]) -> bool:
     """The speech model's `one_tick` parameter."""
-    value = params.get("one_tick", "false").strip().lower()
+    value = params.get("one_tick", "true").strip().lower()
     if value not in ("true", "false"):
         raise ValueError(f'parameter one_tick must be "true" or "false", got {value!r}')
     return value == "true"
@@ -92,20 +93,24 @@ class RequestAnswers:
 
 
 class OneEngineMetrics(Metrics):
-    """The one engine's metrics (`one_tick`) are the talker's; its heartbeat is code2wav's too, as
-    the health check reads each model's (health.py)."""
+    """The one engine's metrics (`one_tick`) are the talker's. Those true of code2wav too are its
+    as well, as dashboards and the health check (health.py) read each model's: the conversations
+    (each holds a decoder stream), the frames answered (each was decoded), the heartbeat and the
+    sends' backlog. Its ticks are the talker's alone: code2wav has none of its own."""
 
     def __init__(self, talker: Metrics, code2wav: Metrics):
         self.talker, self.code2wav = talker, code2wav
 
     def conversations(self, active: int, prefilling: int) -> None:
         self.talker.conversations(active, prefilling)
+        self.code2wav.conversations(active, prefilling)
 
     def tick(self, seconds: float, frames: int) -> None:
         self.talker.tick(seconds, frames)
 
     def frame_answered(self, latency_s: float) -> None:
         self.talker.frame_answered(latency_s)
+        self.code2wav.frame_answered(latency_s)
 
     def rejected(self, reason: str) -> None:
         self.talker.rejected(reason)
@@ -119,6 +124,7 @@ class OneEngineMetrics(Metrics):
 
     def sends_behind(self, seconds: float) -> None:
         self.talker.sends_behind(seconds)
+        self.code2wav.sends_behind(seconds)
 
     def close(self) -> None:
         self.talker.close()
@@ -156,7 +162,7 @@ class SpeechService:
     def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
                  decoder_conversations: int | str = "auto", mimi_runtime: str = "auto", send_threads: int = 1,
                  idle_timeout_s: float = 60.0, stage_process: bool = False, talker_metrics: Metrics | None = None,
-                 code2wav_metrics: Metrics | None = None, one_tick: bool = False, **talker_options):
+                 code2wav_metrics: Metrics | None = None, one_tick: bool = True, **talker_options):
         self.one_tick = one_tick
         if one_tick:
             self.talker = OneTickService(checkpoint, max_conversations, decoder_conversations, device=device,

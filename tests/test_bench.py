@@ -283,11 +283,12 @@ def test_bench_runs_its_server_with_the_parameters_set_on_a_copy_of_the_reposito
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
 
     assert run._with_parameters(ONE_STUB_REPOSITORY, [], tmp_path) == ONE_STUB_REPOSITORY
-    copy = run._with_parameters(ONE_STUB_REPOSITORY, ["speech.one_tick=true"], tmp_path)
+    copy = run._with_parameters(ONE_STUB_REPOSITORY, ["speech.one_tick=false"], tmp_path)
     assert copy.parent == tmp_path and (copy / "speech" / "1" / "model.py").is_file()
     config = (copy / "speech" / "config.pbtxt").read_text()
-    assert '{ key: "one_tick" value: { string_value: "true" } }' in config
-    assert '{ key: "one_tick" value: { string_value: "false" } }' in (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
+    assert '{ key: "one_tick" value: { string_value: "false" } }' in config
+    # the repository itself keeps its default
+    assert '{ key: "one_tick" value: { string_value: "true" } }' in (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
     with pytest.raises(SystemExit, match="MODEL.KEY=VALUE"):
         run._with_parameters(ONE_STUB_REPOSITORY, ["speech.one_tick"], tmp_path)
 

@@ -318,6 +318,29 @@ def test_unattributed_fault_is_retried_once():
         engine.shutdown()
 
 
+def test_a_step_that_cannot_be_repeated_ends_its_conversations_without_a_retry():
+    """StepNotRepeatable (a stage whose state moved before it failed): no retry, which would step
+    the conversations twice; they get the error, and out of memory turns newcomers away."""
+    import pickle
+
+    from personaplex_triton.core.faults import StepNotRepeatable
+
+    fault = pickle.loads(pickle.dumps(StepNotRepeatable("decoding the tick's audio failed", out_of_memory=True)))
+    assert str(fault) == "decoding the tick's audio failed" and fault.out_of_memory  # crosses a stage's pipe
+    stage = FaultyStage(2)
+    engine = SlotEngine(stage, metrics=(metrics := RecordingMetrics()))
+    try:
+        engine.open(1, None)
+        stage.faults = [fault]
+        c = run(engine, 1, ["x"])
+        assert c.outputs == [] and "decoding the tick's audio failed" in c.errors[0]  # a retry would have answered
+        assert metrics.rejected_reasons == ["internal"]
+        with pytest.raises(ConversationError, match="ran out of GPU memory"):
+            engine.open(2, None)
+    finally:
+        engine.shutdown()
+
+
 def test_with_a_minimum_tick_interval_frames_that_come_apart_share_a_tick():
     """Conversation 2's frame comes 100 ms after 1's, while 1's next tick may not start yet (the
     interval is 0.3 s from its last): one tick takes both. Without the interval each goes alone."""

@@ -231,3 +231,45 @@ def test_the_one_tick_parameter_is_true_or_false():
     assert one_tick({}) is True and one_tick({"one_tick": " False "}) is False
     with pytest.raises(ValueError, match='one_tick must be "true" or "false", got \'yes\''):
         one_tick({"one_tick": "yes"})
+
+
+def test_a_failed_decode_is_tried_again_and_never_steps_the_talker_twice(tiny_checkpoint):
+    """A decode that fails once is tried again within the tick; one that fails twice raises
+    StepNotRepeatable, so the engine ends the conversations rather than step the talker again."""
+    from personaplex_triton.core import loaders
+    from personaplex_triton.core.faults import StepNotRepeatable
+    from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.serving.stage_builds import build_speech
+    from personaplex_triton.stages.persona import PersonaLibrary
+    from personaplex_triton.stages.talker import TalkerSetup
+
+    stage, _ = build_speech(str(tiny_checkpoint), 2, 2, "cpu", 0, "auto", "", "auto", "auto", emit=lambda *_: None)
+    calls = {"talker": 0, "decode": 0}
+    step, decode = stage.talker.tick, stage.code2wav.tick
+    failures = []
+
+    def counted_step(frames):
+        calls["talker"] += 1
+        return step(frames)
+
+    def failing_decode(frames):
+        calls["decode"] += 1
+        if failures:
+            raise failures.pop(0)
+        return decode(frames)
+
+    stage.talker.tick, stage.code2wav.tick = counted_step, failing_decode
+    try:
+        persona = PersonaLibrary(loaders.resolve_checkpoint(str(tiny_checkpoint)), stage.talker.tokenizer).persona(
+            "NATF0", "")
+        assert stage.start_many({0: TalkerSetup(persona, SamplingParams(seed=1))}) == {}
+        frame = np.zeros(contract.FRAME_SAMPLES, np.float32)
+        failures[:] = [RuntimeError("once")]
+        out = stage.tick({0: frame})
+        assert out[0].pcm.shape == (contract.FRAME_SAMPLES,) and calls == {"talker": 1, "decode": 2}
+        failures[:] = [RuntimeError("first"), RuntimeError("second")]
+        with pytest.raises(StepNotRepeatable, match="RuntimeError: second") as raised:
+            stage.tick({0: frame})
+        assert not raised.value.out_of_memory and calls == {"talker": 2, "decode": 4}
+    finally:
+        stage.close()

@@ -17,6 +17,19 @@ INJECT_FAULTS_ENV = "PERSONAPLEX_INJECT_FAULTS"
 KINDS = ("tick", "flaky-tick", "broken-tick", "send")
 
 
+class StepNotRepeatable(RuntimeError):
+    """Raised by a stage's tick that failed after its state moved (stages/speech.py: the talker
+    stepped, then the decode failed): stepping again would step those conversations twice, so
+    the engine ends them instead of retrying. `out_of_memory`: the failure was the GPU's memory."""
+
+    def __init__(self, message: str, out_of_memory: bool = False):
+        super().__init__(message, out_of_memory)
+        self.out_of_memory = out_of_memory
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 class SlotFault(RuntimeError):
     """Raised by a stage's tick when it knows which slot's input made the step fail."""
 

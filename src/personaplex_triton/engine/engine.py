@@ -50,9 +50,11 @@ SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long be
 
 class Stage(Protocol):
     """What the engine drives. A stage may also have `begin_starts(setups) -> StartJob`: the
-    same start in pieces, which the engine runs one a pass, between ticks (starts.py); and, as a
+    same start in pieces, which the engine runs one a pass, between ticks (starts.py); as a
     stage in a process of its own has (stage_process.py), `last_tick_cpu_s` (the CPU time its
-    last tick took there, for the tick's trace) and `raise_if_dead()` (asked at each heartbeat)."""
+    last tick took there, for the tick's trace) and `raise_if_dead()` (asked at each heartbeat);
+    and, as a stage of both stages has (stages/speech.py), `last_tick_split` (when its last
+    tick's second part began, for the trace)."""
 
     num_slots: int
 

@@ -1,7 +1,8 @@
 """The engine's tick: one batched step of the stage, its outputs handed to the outbox as answers.
 
 Faults stay where they arise: a failing step ends the conversation it names (`SlotFault`) and
-the rest step again; any other failure is retried once, then ends the conversations in it.
+the rest step again; a step that failed after its state moved (`StepNotRepeatable`) ends the
+conversations in it; any other failure is retried once, then ends the conversations in it.
 Either way the engine's loop goes on. A tick that runs out of GPU memory is retried the same
 way, and the scheduler refuses new conversations for a while (`on_out_of_memory`): a full card
 turns newcomers away rather than failing the live conversations.
@@ -17,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..core import metrics as reasons
-from ..core.faults import FaultPlan, SlotFault
+from ..core.faults import FaultPlan, SlotFault, StepNotRepeatable
 from ..core.metrics import Metrics
 from .answers import Answer, TickSpan
 from .conversations import Conversation
@@ -90,6 +91,10 @@ class Ticker:
                                           getattr(self.stage, "last_tick_split", None))
             except StageProcessDied:  # nothing to retry: the engine stops (engine_loop.py)
                 raise
+            except StepNotRepeatable as exc:  # the stage's state moved: a retry would step it twice
+                error, retried = exc, True
+                if exc.out_of_memory:
+                    self._on_out_of_memory()
             except SlotFault as exc:
                 culprit = next((c for c in ticked if c.slot == exc.slot), None)
                 if culprit is not None:
@@ -113,7 +118,8 @@ class Ticker:
                 log.warning("%s: step failed (%s); retrying it once", self.name, error)
                 retried = True
                 continue
-            log.error("%s: step failed twice; ending the %d conversations in it", self.name, len(ticked),
+            log.error("%s: step failed %s; ending the %d conversations in it", self.name,
+                      "and cannot be retried" if isinstance(error, StepNotRepeatable) else "twice", len(ticked),
                       exc_info=error)
             for conv in ticked:
                 self._fail(conv, f"internal error while stepping: {error}", reasons.INTERNAL)

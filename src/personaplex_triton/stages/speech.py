@@ -10,14 +10,20 @@ same call, process and CUDA context; the tick's answer is the frame's audio and 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from ..core.faults import StepNotRepeatable
 from ..engine.starts import StartJob
 from .code2wav import Code2Wav, CodesFrame
 from .talker import AgentStep, Talker, TalkerSetup
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,8 +61,23 @@ class Speech:
     def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, SpeechFrame]:
         steps = self.talker.tick(user_frames)
         self.last_tick_split = time.time()
-        pcm = self.code2wav.tick({slot: CodesFrame(step.codes) for slot, step in steps.items()})
+        pcm = self._decode({slot: CodesFrame(step.codes) for slot, step in steps.items()})
         return {slot: SpeechFrame(step, pcm[slot]) for slot, step in steps.items()}
+
+    def _decode(self, frames: dict[int, CodesFrame]) -> dict[int, np.ndarray]:
+        """The decode, tried twice as code2wav's own engine would; the engine must not retry the
+        whole tick, whose talker step is done (StepNotRepeatable)."""
+        for attempt in (1, 2):
+            try:
+                return self.code2wav.tick(frames)
+            except torch.OutOfMemoryError as exc:
+                torch.cuda.empty_cache()  # what this process caches, for the second try
+                error, out_of_memory = exc, True
+            except Exception as exc:
+                error, out_of_memory = exc, False
+            log.warning("decoding a tick's frames failed (try %d of 2): %s", attempt, error)
+        raise StepNotRepeatable(f"decoding the tick's audio failed: {type(error).__name__}: {error}",
+                                out_of_memory) from error
 
     def close(self) -> None:
         self.talker.close()

@@ -1,5 +1,5 @@
 """Both stages in one process (serving/speech.py): a request's answers gathered from the two
-stages, and the service against the stages stepped by hand."""
+stages, and the service, in two engines and in one tick, against the stages stepped by hand."""
 
 import threading
 
@@ -97,20 +97,23 @@ def converse(service, conversation, pcm, arrays, frames_a_request=3):
     return np.concatenate(pieces), texts, errors
 
 
-def test_the_service_answers_what_the_stages_compute(speech, tiny_checkpoint):
-    """Every frame, in order, is what the talker and code2wav give when stepped by hand."""
+@pytest.mark.parametrize("service", ["speech", "one_tick"])
+def test_the_service_answers_what_the_stages_compute(service, request):
+    """Every frame, in order, is what the talker and code2wav give when stepped by hand: with two
+    engines, and in one tick (`one_tick`: one engine whose tick steps the talker, then decodes)."""
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.stages.code2wav import CodesFrame
     from personaplex_triton.stages.talker import TalkerSetup
 
+    service = request.getfixturevalue(service)
     pcm = np.random.default_rng(3).uniform(-0.3, 0.3, 7 * contract.FRAME_SAMPLES).astype(np.float32)
     arrays = {contract.VOICE: np.array([b"NATF0"], np.object_), contract.SEED: np.array([42], np.int64)}
-    got_audio, got_text, errors = converse(speech, 5, pcm, arrays)
+    got_audio, got_text, errors = converse(service, 5, pcm, arrays)
     assert errors == [None, None, None] and len(got_text) == 7
 
-    talker, decoder = speech.talker.talker, speech.code2wav.decoder
-    persona = speech.talker.personas.persona("NATF0", "")
-    talker.start(0, TalkerSetup(persona, SamplingParams(seed=42)))
+    stage = service.talker.talker
+    talker, decoder = (stage.talker, stage.code2wav) if service.one_tick else (stage, service.code2wav.decoder)
+    talker.start(0, TalkerSetup(service.talker.personas.persona("NATF0", ""), SamplingParams(seed=42)))
     decoder.start(0)
     expected_audio, expected_text = [], []
     try:
@@ -120,7 +123,6 @@ def test_the_service_answers_what_the_stages_compute(speech, tiny_checkpoint):
             expected_text.append(talker.text_piece(step.text_token))
     finally:
         talker.stop(0)
-        decoder.stop(0)
     assert got_text == expected_text
     np.testing.assert_allclose(got_audio, np.concatenate(expected_audio), atol=1e-5)
 
@@ -143,33 +145,8 @@ def one_tick(tiny_checkpoint):
     service.close()
 
 
-def test_one_tick_answers_what_the_stages_compute(one_tick):
-    """`one_tick`: one engine whose tick steps the talker, then decodes its frames; every frame,
-    in order, is what the talker and code2wav give when stepped by hand, as in two engines."""
-    from personaplex_triton.lm.sampling import SamplingParams
-    from personaplex_triton.stages.code2wav import CodesFrame
-    from personaplex_triton.stages.talker import TalkerSetup
-
-    assert one_tick.code2wav is None and one_tick.talker.engine.stage.num_slots == 2  # the talker's pool, not code2wav's 4
-    pcm = np.random.default_rng(4).uniform(-0.3, 0.3, 7 * contract.FRAME_SAMPLES).astype(np.float32)
-    arrays = {contract.VOICE: np.array([b"NATM0"], np.object_), contract.SEED: np.array([7], np.int64)}
-    got_audio, got_text, errors = converse(one_tick, 5, pcm, arrays)
-    assert errors == [None, None, None] and len(got_text) == 7
-
-    stage = one_tick.talker.talker
-    talker, decoder = stage.talker, stage.code2wav
-    talker.start(0, TalkerSetup(one_tick.talker.personas.persona("NATM0", ""), SamplingParams(seed=7)))
-    decoder.start(0)
-    expected_audio, expected_text = [], []
-    try:
-        for frame in audio.split_frames(pcm):
-            step = talker.tick({0: frame})[0]
-            expected_audio.append(decoder.tick({0: CodesFrame(step.codes)})[0])
-            expected_text.append(talker.text_piece(step.text_token))
-    finally:
-        talker.stop(0)
-    assert got_text == expected_text
-    np.testing.assert_allclose(got_audio, np.concatenate(expected_audio), atol=1e-5)
+def test_one_tick_has_one_engine_whose_pool_is_the_smaller_stages(one_tick):
+    assert one_tick.code2wav is None and one_tick.talker.engine.stage.num_slots == 2  # the talker's 2, not code2wav's 4
 
 
 def test_one_tick_ends_a_conversation_with_an_empty_end_request(one_tick):

@@ -173,8 +173,8 @@ def code2wav_config(instances: Instances = Instances(), parameters=PARAMETERS["c
 
 
 def speech_config(instances: Instances = Instances(), parameters=PARAMETERS["speech"]) -> str:
-    header = ("# Both stages in one Python stub (serving/speech.py): the talker's frames go to code2wav\n"
-              "# in-process. The ensemble of this repository is its one step: a client's gRPC stream then\n"
+    header = ("# Both stages in one Python stub (serving/speech.py): one tick steps the talker, then decodes\n"
+              "# its frames (one_tick). The ensemble of this repository is its one step: a client's gRPC stream then\n"
               "# holds the ensemble, not this model, and Triton 2.51 can unload it at shutdown.\n")
     return _stage("speech", header, contract.INPUTS, contract.OUTPUTS, instances, parameters)
 

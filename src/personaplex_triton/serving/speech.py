@@ -2,17 +2,17 @@
 
 Through the ensemble a frame crosses between tritonserver and a Python stub four times (the
 talker's request and response, code2wav's request and response), about half a millisecond each
-(docs/gpu-serving-log.md). `SpeechService` chains the two services of serving.py in one stub, so a
-frame crosses twice: the client's request in, the audio out. The talker's answer for a frame is
-handed to code2wav's engine as a function call. The stages' models share the stub's process and
-CUDA context, or, with `stage_process` (the default on a GPU), each runs in a child process and
-CUDA context of its own (engine/stage_process.py), code2wav's built first so that the talker
-sizes its pool from what code2wav left free.
+(docs/gpu-serving-log.md). `SpeechService` serves both stages in one stub, so a frame crosses
+twice: the client's request in, the audio out. By default (`one_tick`) one engine serves both:
+its tick steps the talker, then decodes the frames it answered (stages/speech.py), in one call,
+one process and one CUDA context (a child process with `stage_process`, the default on a GPU);
+no hand-off, no second engine's tick to wait for. Its metrics are the talker's, and code2wav's
+where true of it (`OneEngineMetrics`).
 
-With `one_tick`, one engine serves both: its tick steps the talker, then decodes the frames it
-answered (stages/speech.py), in one call, in one process and CUDA context; no hand-off, no
-second engine's tick to wait for. Its metrics are the talker's, and code2wav's where true of it
-(`OneEngineMetrics`).
+With `one_tick` false the two services of serving.py are chained: the talker's answer for a
+frame is handed to code2wav's engine as a function call, and with `stage_process` each stage
+runs in a child process and CUDA context of its own (engine/stage_process.py), code2wav's built
+first so that the talker sizes its pool from what code2wav left free.
 
 It answers a request as the ensemble does: one response (audio + text) per frame, in order, the
 request's last frame completing it; an error after the audio of every frame that got that far.
@@ -128,8 +128,7 @@ class OneEngineMetrics(Metrics):
 
     def close(self) -> None:
         self.talker.close()
-        if self.code2wav is not None:
-            self.code2wav.close()
+        self.code2wav.close()
 
 
 class OneTickService(TalkerService):

@@ -5,8 +5,9 @@ Each round runs `python -m bench.run --stages load --conversations N --seconds S
 once on `model_repository` (talker and code2wav, two Python stubs: a frame crosses between
 tritonserver and a stub four times), and twice with `--one-stub` (`speech`: twice): with
 `--set speech.one_tick=false` (an engine a stage, "two engines") and `=true` (one engine's tick
-steps both stages, "one tick"), each starting its own server. Per server, the median over rounds of each segment of a frame's trip (core/trace.py) and
-of their sum outside the two ticks: what Triton, the stubs and the hand-off between the stages add.
+steps both stages, "one tick"), each starting its own server. Per server, the median over rounds
+of each segment of a frame's trip (core/trace.py) and of their sum outside the two ticks: what
+Triton, the stubs and the hand-off between the stages add.
 
     python -m bench.crossings --rounds 3 --seconds 30 --name cpu2-intel-xeon
     python -m bench.crossings --repositories "two engines" "one tick" --rounds 1 --seconds 20

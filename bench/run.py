@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--one-stub", action="store_true",
                         help="without --url: start the server on model_repository_one_stub (both stages in one "
                              "Python stub) instead of model_repository")
-    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+    parser.add_argument("--set", action="append", default=[], type=model_configs.setting, metavar="MODEL.KEY=VALUE",
                         help="without --url: a model parameter of the server it starts (on a copy of the model "
                              "repository), e.g. speech.one_tick=true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
@@ -115,11 +115,11 @@ def main(argv=None) -> int:
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
                       server_log=args.server_log, metrics_url=None if metrics_url == "none" else metrics_url)
     repository = ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY
-    log(f"[server] starting tritonserver on {repository.name}" + "".join(f" --set {item}" for item in args.set))
+    log(f"[server] starting tritonserver on {repository.name}" + "".join(f" --set {k}={v}" for k, v in args.set))
     args.out.mkdir(parents=True, exist_ok=True)
     env = {TRACE_DIR_ENV: str(args.trace_dir)} if args.trace_dir else {}
     with tempfile.TemporaryDirectory() as copy, \
-            TritonServer(_with_parameters(repository, args.set, Path(copy)), env=env,
+            TritonServer(_with_parameters(repository, dict(args.set), Path(copy)), env=env,
                          log_path=args.out / "tritonserver.log") as server:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
@@ -127,14 +127,10 @@ def main(argv=None) -> int:
                       server_log=args.out / "tritonserver.log", metrics_url=server.metrics_url)
 
 
-def _with_parameters(repository: Path, settings: list[str], scratch: Path) -> Path:
-    """`repository`, or with `settings` (MODEL.KEY=VALUE) a copy of it under `scratch`."""
-    if not settings:
+def _with_parameters(repository: Path, overrides: dict[str, str], scratch: Path) -> Path:
+    """`repository`, or with `overrides` ({MODEL.KEY: VALUE}) a copy of it under `scratch`."""
+    if not overrides:
         return repository
-    try:
-        overrides = dict(item.split("=", 1) for item in settings)
-    except ValueError:
-        raise SystemExit(f"--set takes MODEL.KEY=VALUE, got {settings}") from None
     copy = scratch / repository.name
     model_configs.write(copy, overrides=overrides, one_stub=repository == ONE_STUB_REPOSITORY)
     return copy

@@ -278,19 +278,21 @@ def test_aged_context_is_labelled_in_the_file_name_and_the_report():
         run.parse_args(["--seconds", "3", "--persona-every", "30"])  # no newcomer would come
 
 
-def test_bench_runs_its_server_with_the_parameters_set_on_a_copy_of_the_repository(tmp_path):
+def test_bench_runs_its_server_with_the_parameters_set_on_a_copy_of_the_repository(tmp_path, capsys):
     from bench import run
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
 
-    assert run._with_parameters(ONE_STUB_REPOSITORY, [], tmp_path) == ONE_STUB_REPOSITORY
-    copy = run._with_parameters(ONE_STUB_REPOSITORY, ["speech.one_tick=false"], tmp_path)
+    assert run._with_parameters(ONE_STUB_REPOSITORY, {}, tmp_path) == ONE_STUB_REPOSITORY
+    settings = dict(run.parse_args(["--one-stub", "--set", "speech.one_tick=false"]).set)
+    copy = run._with_parameters(ONE_STUB_REPOSITORY, settings, tmp_path)
     assert copy.parent == tmp_path and (copy / "speech" / "1" / "model.py").is_file()
     config = (copy / "speech" / "config.pbtxt").read_text()
     assert '{ key: "one_tick" value: { string_value: "false" } }' in config
     # the repository itself keeps its default
     assert '{ key: "one_tick" value: { string_value: "true" } }' in (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
-    with pytest.raises(SystemExit, match="MODEL.KEY=VALUE"):
-        run._with_parameters(ONE_STUB_REPOSITORY, ["speech.one_tick"], tmp_path)
+    with pytest.raises(SystemExit):
+        run.parse_args(["--set", "speech.one_tick"])
+    assert "--set takes MODEL.KEY=VALUE, got 'speech.one_tick'" in capsys.readouterr().err
 
 
 @pytest.mark.integration

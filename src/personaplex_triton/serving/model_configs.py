@@ -259,6 +259,14 @@ def instances_from_args(gpus: str | None, cpu_instances: int) -> Instances:
     return Instances(kind="gpu", gpus=None if gpus == "all" else tuple(int(g) for g in gpus.split(",")))
 
 
+def setting(text: str) -> tuple[str, str]:
+    """One `--set MODEL.KEY=VALUE` (argparse's `type`): (MODEL.KEY, VALUE)."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set takes MODEL.KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="model repository to write into (default: this repository's own "
@@ -271,7 +279,7 @@ def main(argv=None) -> int:
                              "write nothing")
     parser.add_argument("--gpus", help='"all", or GPU indices "0,1": one instance of each stage per GPU')
     parser.add_argument("--cpu-instances", type=int, default=1, help="instances of each stage on the CPU")
-    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+    parser.add_argument("--set", action="append", default=[], type=setting, metavar="MODEL.KEY=VALUE",
                         help="a model parameter, e.g. talker.max_conversations=64")
     args = parser.parse_args(argv)
     if args.check:
@@ -280,7 +288,7 @@ def main(argv=None) -> int:
             print(f"{args.out / model if args.out else model}/config.pbtxt differs from the contract: "
                   "run python -m personaplex_triton.serving.model_configs", file=sys.stderr)
         return 1 if differ else 0
-    overrides = dict(item.split("=", 1) for item in args.set)
+    overrides = dict(args.set)
     out = args.out or (ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY)
     for path in write(out, instances_from_args(args.gpus, args.cpu_instances), overrides, args.one_stub):
         print(path)

@@ -86,7 +86,8 @@ TINY_LM_SIZE = {
 # GPU_DECODER_RESERVED_BYTES (code2wav's process at its largest tick: its pool's state and a
 # tick of every slot, which it takes at load; measured beyond Mimi's weights in one process on
 # the H200, bench/gpu_step.py: 2.14 GiB at 64 slots, 3.77 at 128, so about 5.4 at 192; the
-# talker reserves it whether or not code2wav has loaded first), at most the decoder's slots;
+# talker reserves it whether or not code2wav's process has loaded first, and not in one tick,
+# where code2wav, built first in the talker's process, already holds it), at most the decoder's slots;
 # the decoder keeps more slots than the talker can fill, since a conversation that ends
 # without FINAL holds its decoder slot until replaced (its state is 8 MB).
 CPU_TALKER_SLOTS = 4

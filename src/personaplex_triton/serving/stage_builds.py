@@ -80,10 +80,12 @@ def pool_size(configured: int | str, device: str, cpu_default: int, on_gpu) -> t
 
 
 def build_talker(checkpoint: str, max_conversations: int | str, device: str, persona_cache_size: int,
-                 mimi_runtime: str, warm_personas: str, dtype: str, kv_dtype: str, emit: Emit):
+                 mimi_runtime: str, warm_personas: str, dtype: str, kv_dtype: str, emit: Emit,
+                 decoder_in_process: bool = False):
     """The talker (stages/talker.Talker): the LM and Mimi's encoder on `device`, its pool, and
     the personas of `warm_personas` ("all", or voice names, comma-separated) prefilled into its
-    cache, each with an empty role prompt, so that their first conversation starts at once."""
+    cache, each with an empty role prompt, so that their first conversation starts at once;
+    `decoder_in_process`: code2wav was built first in this process (talker.conversations_that_fit)."""
     import torch
 
     from ..lm import kv_cache
@@ -99,7 +101,7 @@ def build_talker(checkpoint: str, max_conversations: int | str, device: str, per
     mimi = open_step("encoder", files, mimi_runtime, device, threads=loaders.CPU_ENCODER_THREADS)
     tokenizer = loaders.get_tokenizer(files)
     slots, why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
-                           lambda: conversations_that_fit(lm, mimi, kv))
+                           lambda: conversations_that_fit(lm, mimi, kv, decoder_in_process))
     talker = Talker(lm, mimi, tokenizer, slots, persona_cache_size, kv_dtype=kv)
     names = files.voice_names() if warm_personas.strip() == "all" else \
         [name.strip() for name in warm_personas.split(",") if name.strip()]
@@ -133,14 +135,14 @@ def build_code2wav(checkpoint: str, max_conversations: int | str, device: str, m
 def build_speech(checkpoint: str, max_conversations: int | str, decoder_conversations: int | str, device: str,
                  persona_cache_size: int, mimi_runtime: str, warm_personas: str, dtype: str, kv_dtype: str,
                  emit: Emit):
-    """Both stages as one (stages/speech.Speech), code2wav's built first as in two processes
-    (its largest tick's memory taken before the talker sizes its pool); its info is the talker's
-    and code2wav's StageInfo."""
+    """Both stages as one (stages/speech.Speech), code2wav's built first: its largest tick's
+    memory is taken before the talker sizes its pool, which then keeps none back for it; its info
+    is the talker's and code2wav's StageInfo."""
     from ..stages.speech import Speech
 
     code2wav, code2wav_info = build_code2wav(checkpoint, decoder_conversations, device, mimi_runtime, emit)
     talker, talker_info = build_talker(checkpoint, max_conversations, device, persona_cache_size, mimi_runtime,
-                                       warm_personas, dtype, kv_dtype, emit)
+                                       warm_personas, dtype, kv_dtype, emit, decoder_in_process=True)
     stage = Speech(talker, code2wav)
     if stage.num_slots < talker_info.slots:
         talker_info = replace(talker_info, slots=stage.num_slots,

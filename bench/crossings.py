@@ -9,8 +9,13 @@ steps both stages, "one tick"), each starting its own server. Per server, the me
 of each segment of a frame's trip (core/trace.py) and of their sum outside the two ticks: what
 Triton, the stubs and the hand-off between the stages add.
 
+With `--floor`, each round also runs the same paced conversations through Triton's floor
+(`bench/floor_repository`: a decoupled Python model of the served contract that answers each
+frame at once from execute, with no model behind it): what tritonserver, gRPC and one Python
+stub cost a frame whatever the project does, so the rest of "outside the two ticks" is ours.
+
     python -m bench.crossings --rounds 3 --seconds 30 --name cpu2-intel-xeon
-    python -m bench.crossings --repositories "two engines" "one tick" --rounds 1 --seconds 20
+    python -m bench.crossings --repositories "two engines" "one tick" --floor --rounds 1 --seconds 20
 
 writes bench/results/<date>-<name>-crossings.{md,json,png}.
 """
@@ -21,11 +26,19 @@ import argparse
 import statistics
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench import report
+import numpy as np
+
+from bench import report, stats
 from bench.runs import load_level
+from personaplex_triton.core import contract
 from personaplex_triton.core.trace import SEGMENTS
+
+FLOOR_REPOSITORY = Path(__file__).resolve().parent / "floor_repository"
+FLOOR = "floor"  # the label of the floor's runs
+FLOOR_WARM_FRAMES = 25  # a conversation first, unmeasured: the stub's first sends warm up
 
 # label: bench.run's options, each setting what it compares (a repository's defaults may change)
 REPOSITORIES = {"two stubs": [], "two engines": ["--one-stub", "--set", "speech.one_tick=false"],
@@ -48,6 +61,27 @@ def one_run(options: list[str], conversations: int, seconds: float) -> dict:
             "outside_ticks_ms": round(sum(ms for name, ms in segments.items() if name not in TICKS), 2)}
 
 
+def floor_run(conversations: int, seconds: float) -> dict:
+    """`conversations` paced conversations of `seconds` through Triton's floor, on a server of its
+    own, with the project's client (frames one per 80 ms, as bench.run's load sends them)."""
+    from personaplex_stream import stream_conversation
+    from personaplex_triton.serving.launch import TritonServer
+
+    rng = np.random.default_rng(0)
+    audio = (0.1 * rng.standard_normal(int(seconds * contract.SAMPLE_RATE))).astype(np.float32)
+    with tempfile.TemporaryDirectory() as folder, \
+            TritonServer(FLOOR_REPOSITORY, log_path=Path(folder) / "tritonserver.log") as server:
+        def talk(frames: np.ndarray):
+            return stream_conversation(frames, server.grpc_url, FLOOR, realtime=True)
+        talk(audio[:FLOOR_WARM_FRAMES * contract.FRAME_SAMPLES])
+        with ThreadPoolExecutor(conversations) as pool:
+            results = list(pool.map(talk, [audio] * conversations))
+    latencies = [ms for result in results for ms in result.latencies_ms]
+    summary = stats.frame_summary(latencies)
+    return {**{key: summary[key] for key in ("frames", "p50", "p95", "p99", "late")}, "segments_ms": None,
+            "outside_ticks_ms": summary["p50"]}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -55,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--repositories", nargs="+", choices=list(REPOSITORIES), default=list(REPOSITORIES),
                         help="which servers take turns (default: all)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also Triton's floor each round (bench/floor_repository: a model that answers at once)")
     parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
     parser.add_argument("--name", default=report.machine()["slug"])
     parser.add_argument("--commit", help="the tree measured, for the header (default: git's; a copied checkout's "
@@ -73,23 +109,31 @@ def main(argv=None) -> int:
             runs.append(run)
             print(f"{report.now():%H:%M:%S} round {round_}, {label}: p50 {run['p50']} ms, outside the ticks "
                   f"{run['outside_ticks_ms']} ms", file=sys.stderr, flush=True)
+        if args.floor:
+            runs.append({"round": round_, "repository": FLOOR, **floor_run(args.conversations, args.seconds)})
+            print(f"{report.now():%H:%M:%S} round {round_}, {FLOOR}: p50 {runs[-1]['p50']} ms", file=sys.stderr,
+                  flush=True)
+    labels = [*args.repositories, *([FLOOR] if args.floor else [])]
     result = report.run_record("bench.crossings", argv, args.commit, started, conversations=args.conversations,
                                seconds=args.seconds, runs=runs,
                                summary={label: summary([r for r in runs if r["repository"] == label])
-                                        for label in args.repositories})
+                                        for label in labels})
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}-crossings", markdown, plot)
     return 0
 
 
 def summary(runs: list[dict]) -> dict:
     median = lambda values: round(statistics.median(values), 2)
+    traced = runs[0]["segments_ms"] is not None  # the floor's runs have no stages to trace
     return {"runs": len(runs), "p50": median(r["p50"] for r in runs), "p99": median(r["p99"] for r in runs),
             "outside_ticks_ms": median(r["outside_ticks_ms"] for r in runs),
-            "segments_ms": {name: median(r["segments_ms"][name] for r in runs) for name, _, _ in SEGMENTS}}
+            "segments_ms": {name: median(r["segments_ms"][name] for r in runs) for name, _, _ in SEGMENTS}
+            if traced else None}
 
 
 def markdown(result: dict, plot_name: str) -> str:
-    summaries = result["summary"]
+    summaries = {label: s for label, s in result["summary"].items() if s["segments_ms"] is not None}
+    floor = result["summary"].get(FLOOR)
     labels = list(summaries)
     lines = [*report.run_heading(result, "What Triton adds to a frame: " + ", ".join(labels)),
              f"- Each run: `bench.run --stages load --conversations {result['conversations']} --seconds "
@@ -102,12 +146,19 @@ def markdown(result: dict, plot_name: str) -> str:
     lines += ["| **outside the two ticks** | " + " | ".join(f"**{summaries[label]['outside_ticks_ms']}**"
                                                           for label in labels) + " |",
               "| frame p50 / p99 | " + " | ".join(f"{summaries[label]['p50']} / {summaries[label]['p99']}"
-                                                 for label in labels) + " |",
-              "", "Each run:", "", "| round | repository | frames | p50 / p95 / p99 (ms) | late | outside the ticks (ms) |",
+                                                 for label in labels) + " |"]
+    if floor is not None:
+        lines += ["", f"Triton's floor (`bench/floor_repository`: the served contract, each frame answered at once "
+                      f"from a Python stub's execute, no model behind it; the same client and pacing), frame p50 / p99: "
+                      f"**{floor['p50']}** / {floor['p99']} ms. Above it, outside the ticks: "
+                  + ", ".join(f"{label} {round(summaries[label]['outside_ticks_ms'] - floor['p50'], 2)} ms"
+                              for label in labels) + "."]
+    lines += ["", "Each run:", "", "| round | repository | frames | p50 / p95 / p99 (ms) | late | outside the ticks (ms) |",
               "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in result["runs"]:
+        outside = "-" if r["segments_ms"] is None else r["outside_ticks_ms"]
         lines.append(f"| {r['round']} | {r['repository']} | {r['frames']} | {r['p50']} / {r['p95']} / {r['p99']} | "
-                     f"{r['late']} | {r['outside_ticks_ms']} |")
+                     f"{r['late']} | {outside} |")
     return "\n".join(lines + ["", f"![crossings]({plot_name})", ""])
 
 
@@ -115,16 +166,18 @@ def plot(result: dict, path: Path) -> None:
     plt = report.pyplot()
 
     names = [name for name, _, _ in SEGMENTS if name not in TICKS]
+    summaries = {label: s for label, s in result["summary"].items() if s["segments_ms"] is not None}
+    floor = result["summary"].get(FLOOR)
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(result["summary"])
-    for i, (label, s) in enumerate(result["summary"].items()):
+    width = 0.8 / len(summaries)
+    for i, (label, s) in enumerate(summaries.items()):
         ax.bar([x + i * width for x in range(len(names))], [s["segments_ms"][n] for n in names], width,
                label=f"{label}: {s['outside_ticks_ms']} ms outside the ticks")
-    ax.set_xticks([x + width * (len(result["summary"]) - 1) / 2 for x in range(len(names))])
+    ax.set_xticks([x + width * (len(summaries) - 1) / 2 for x in range(len(names))])
     ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("median ms a frame")
     ax.set_title(f"A frame's trip outside the ticks, {result['conversations']} conversation(s), "
-                 f"{result['machine']['cores']} cores")
+                 f"{result['machine']['cores']} cores" + (f"; Triton's floor p50 {floor['p50']} ms" if floor else ""))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     report.save_figure(fig, path)

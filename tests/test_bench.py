@@ -657,19 +657,28 @@ def test_crossings_sums_the_segments_outside_the_ticks_and_takes_medians_over_ru
                 "p99": 50.0, "late": 0, "segments_ms": segments,
                 "outside_ticks_ms": round(sum(v for k, v in segments.items() if k not in crossings.TICKS), 2)}
 
-    runs = [run(1, "two stubs", 0.8, 14.0), run(1, "one stub", 0.5, 14.0), run(2, "two stubs", 1.0, 15.0),
-            run(2, "one stub", 0.4, 16.0), run(3, "two stubs", 0.9, 14.0), run(3, "one stub", 0.6, 15.0)]
+    def floor(round_, p50):
+        return {"round": round_, "repository": crossings.FLOOR, "frames": 375, "p50": p50, "p95": 2.0, "p99": 2.5,
+                "late": 0, "segments_ms": None, "outside_ticks_ms": p50}
+
+    runs = [run(1, "two stubs", 0.8, 14.0), run(1, "one stub", 0.5, 14.0), floor(1, 1.5),
+            run(2, "two stubs", 1.0, 15.0), run(2, "one stub", 0.4, 16.0), floor(2, 1.7),
+            run(3, "two stubs", 0.9, 14.0), run(3, "one stub", 0.6, 15.0), floor(3, 1.6)]
     assert runs[0]["outside_ticks_ms"] == 5.6  # 7 segments outside the two ticks
     two = crossings.summary([r for r in runs if r["repository"] == "two stubs"])
     one = crossings.summary([r for r in runs if r["repository"] == "one stub"])
+    below = crossings.summary([r for r in runs if r["repository"] == crossings.FLOOR])
     assert two["outside_ticks_ms"] == 6.3 and one["outside_ticks_ms"] == 3.5
     assert two["segments_ms"]["talker tick"] == 14.0 and one["segments_ms"]["talker tick"] == 15.0
     assert one["p50"] == 32.0 and one["runs"] == 3
+    assert below["p50"] == 1.6 and below["segments_ms"] is None
     result = {"command": "python -m bench.crossings", "machine": report.machine(), "commit": "abc", "started":
               "2026-12-05T09:00:00+00:00", "conversations": 1, "seconds": 30, "runs": runs,
-              "summary": {"two stubs": two, "one stub": one}}
+              "summary": {"two stubs": two, "one stub": one, crossings.FLOOR: below}}
     text = crossings.markdown(result, "x.png")
-    assert "| **outside the two ticks** | **6.3** | **3.5** |" in text and text.count("| 375 |") == 6  # a row a run
+    assert "| **outside the two ticks** | **6.3** | **3.5** |" in text and text.count("| 375 |") == 9  # a row a run
+    assert "p50 / p99: **1.6** / 2.5 ms. Above it, outside the ticks: two stubs 4.7 ms, one stub 1.9 ms." in text
+    assert "| 2 | floor | 375 | 1.7 / 2.0 / 2.5 | 0 | - |" in text
     crossings.plot(result, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 0
 
@@ -846,6 +855,37 @@ def test_the_start_cost_model_counts_the_late_frames_a_start_s_pieces_make():
     assert quiet["late_near_a_start"] == quiet["late_elsewhere"] == 0 and quiet["start_ms"] is None
     assert long["late_near_a_start"] > 10 > short["late_near_a_start"]
     assert long["start_ms"] >= 3 * 31 and short["start_ms"] >= 3 * 13
+
+
+@pytest.mark.integration
+def test_triton_floor_answers_every_frame_with_its_own_samples_through_a_real_tritonserver(tmp_path):
+    """bench.crossings' floor: the served contract through a real tritonserver, each frame's
+    answer its own samples (so the answers are the frames', in order); a request of a part of a
+    frame gets an error naming the problem; `floor_run` times paced conversations through it."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from bench import crossings
+    from personaplex_stream import stream_conversation
+    from personaplex_triton.core import contract
+    from personaplex_triton.serving.launch import TritonServer
+
+    audio = np.random.default_rng(1).uniform(-0.5, 0.5, 7 * contract.FRAME_SAMPLES).astype(np.float32)
+    with TritonServer(crossings.FLOOR_REPOSITORY, log_path=tmp_path / "server.log") as server:
+        result = stream_conversation(audio, server.grpc_url, crossings.FLOOR)
+        assert result.frames_received == 7 and np.array_equal(result.audio, audio)
+        answers: list = []
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: answers.append(error))
+        part = grpcclient.InferInput(contract.AUDIO_IN, [100], "FP32")
+        part.set_data_from_numpy(np.zeros(100, np.float32))
+        client.async_stream_infer(crossings.FLOOR, [part], sequence_id=5, sequence_start=True, sequence_end=True)
+        client.stop_stream()
+        client.close()
+        [error] = answers
+        assert isinstance(error, InferenceServerException) and "whole 1920-sample frames, got 100" in str(error)
+    run = crossings.floor_run(2, 1.0)  # a server of its own
+    assert run["frames"] == 2 * 13 and run["segments_ms"] is None and run["outside_ticks_ms"] == run["p50"] > 0
 
 
 @pytest.mark.integration

@@ -61,6 +61,25 @@ def setup(voice, tokenizer=None, prompt="", **sampling):
     return TalkerSetup(Persona(voice, tokens), SamplingParams(**sampling))
 
 
+def test_the_pool_keeps_code2wavs_memory_free_unless_code2wav_holds_it_in_this_process(talker, monkeypatch):
+    """talker.conversations_that_fit, the GPU's free memory given (no GPU here): beside code2wav's
+    process, GPU_DECODER_RESERVED_BYTES stay free for it; in one tick, where code2wav was built
+    first in the talker's process and holds its largest tick already, none do, and the pool
+    stops at code2wav's slots."""
+    from personaplex_triton.stages.talker import conversation_bytes, conversations_that_fit
+
+    lm, encoder, kv = talker.lm, talker.mimi.runner, torch.float32
+    each = conversation_bytes(lm, encoder, kv)
+    prefill = kv_cache.bytes_per_conversation(lm.transformer, kv)
+    free = loaders.GPU_RESERVED_BYTES + loaders.GPU_DECODER_RESERVED_BYTES + prefill + 10 * each + each // 2
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    beside, beside_why = conversations_that_fit(lm, encoder, kv)
+    inside, inside_why = conversations_that_fit(lm, encoder, kv, decoder_in_process=True)
+    assert beside == 10 and "6 for code2wav's largest tick" in beside_why
+    assert inside == min(10 + (loaders.GPU_DECODER_RESERVED_BYTES + each // 2) // each, loaders.GPU_DECODER_SLOTS)
+    assert inside > beside and "code2wav's largest tick held in this process" in inside_why
+
+
 def test_system_prompt_wrapping(talker):
     assert wrap_system_prompt("  Be kind. ") == "<system> Be kind. <system>"
     assert wrap_system_prompt("<system> Be kind. <system>") == "<system> Be kind. <system>"

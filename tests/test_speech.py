@@ -203,7 +203,7 @@ def test_one_tick_in_a_process_of_its_own_traces_both_stages(tiny_checkpoint, tm
 
 
 def test_the_one_tick_parameter_is_true_or_false():
-    from personaplex_triton.serving.speech import one_tick
+    from personaplex_triton.serving.stage_builds import one_tick
 
     assert one_tick({}) is True and one_tick({"one_tick": " False "}) is False
     with pytest.raises(ValueError, match='one_tick must be "true" or "false", got \'yes\''):

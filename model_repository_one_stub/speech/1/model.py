@@ -5,8 +5,8 @@ import numpy as np
 
 from personaplex_triton.core import contract, loaders
 from personaplex_triton.serving.serving import pick_device
-from personaplex_triton.serving.speech import SpeechService, one_tick
-from personaplex_triton.serving.stage_builds import send_threads, stage_process, talker_options
+from personaplex_triton.serving.speech import SpeechService
+from personaplex_triton.serving.stage_builds import one_tick, send_threads, stage_process, talker_options
 from personaplex_triton.serving.triton_adapter import (
     ConversationModel, TritonMetrics, instance_gpu, log_info, model_parameters, route_library_logs)
 

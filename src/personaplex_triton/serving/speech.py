@@ -32,14 +32,6 @@ from .serving import Code2WavService, Finish, IsCancelled, Send, TalkerService, 
 from .stage_builds import build_speech, open_stage
 
 
-def one_tick(params: dict[str, str]) -> bool:
-    """The speech model's `one_tick` parameter."""
-    value = params.get("one_tick", "true").strip().lower()
-    if value not in ("true", "false"):
-        raise ValueError(f'parameter one_tick must be "true" or "false", got {value!r}')
-    return value == "true"
-
-
 class RequestAnswers:
     """One client request's answers, gathered from two stages: the talker says when it has sent
     its last frame (or failed), code2wav answers each frame it was sent; the request finishes

@@ -35,6 +35,15 @@ def stage_process(params: dict[str, str], device: str) -> bool:
     return device.startswith("cuda") if value == "auto" else value == "true"
 
 
+def one_tick(params: dict[str, str]) -> bool:
+    """The speech model's `one_tick` parameter: whether one engine's tick steps both stages
+    (stages/speech.py) or each stage ticks in an engine of its own."""
+    value = params.get("one_tick", "true").strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f'parameter one_tick must be "true" or "false", got {value!r}')
+    return value == "true"
+
+
 def send_threads(params: dict[str, str], own_process: bool) -> int:
     """A model's `send_threads` parameter: the threads that send its answers (outbox lanes);
     "auto": loaders.STAGE_PROCESS_SEND_THREADS where the stage ticks in a process of its own

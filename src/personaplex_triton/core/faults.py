@@ -23,6 +23,7 @@ class StepNotRepeatable(RuntimeError):
     the engine ends them instead of retrying. `out_of_memory`: the failure was the GPU's memory."""
 
     def __init__(self, message: str, out_of_memory: bool = False):
+        # both in args: from a stage's process it crosses the pipe pickled, rebuilt from its args
         super().__init__(message, out_of_memory)
         self.out_of_memory = out_of_memory
 

@@ -116,14 +116,10 @@ def test_send_threads_answer_every_frame_in_order(tiny_checkpoint, solo, user_au
     """Both stages with `send_threads` 3 (each thread sending its own conversations' answers):
     two conversations at once get every frame, in order, the first exactly what it gets on the
     default server (one send thread)."""
-    import shutil
-
-    from personaplex_triton.core.paths import MODEL_REPOSITORY
     from personaplex_triton.serving import model_configs
     from personaplex_triton.serving.launch import TritonServer
 
-    repository = tmp_path / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+    repository = tmp_path / "model_repository"  # written with a copy of the models (model_configs.write)
     model_configs.main(["--out", str(repository), "--set", "talker.send_threads=3", "--set", "code2wav.send_threads=3"])
     with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}) as server:
         a, b, other_audio = two_conversations_at_once(server.grpc_url, user_audio)
@@ -137,14 +133,10 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
     process (engine/stage_process.py). Two conversations at once get every frame, in order,
     the first exactly what the default server gives it; each stub has its stage's process as a
     child, and the server's graceful shutdown leaves none of them behind."""
-    import shutil
-
-    from personaplex_triton.core.paths import MODEL_REPOSITORY
     from personaplex_triton.serving import model_configs
     from personaplex_triton.serving.launch import TritonServer, child_processes
 
-    repository = tmp_path / "model_repository"
-    shutil.copytree(MODEL_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+    repository = tmp_path / "model_repository"  # written with a copy of the models (model_configs.write)
     model_configs.main(["--out", str(repository), "--set", "talker.stage_process=true",
                         "--set", "code2wav.stage_process=true"])
     with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)},
@@ -180,16 +172,13 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
     server gives it; its log names both stages' pools and Mimi runtimes, as the bench reads them.
     By default one engine's tick steps both stages (`one_tick`), with `stage_process` in the
     stub's one child process; with `one_tick` false, each stage ticks in an engine of its own."""
-    import shutil
-
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
     from personaplex_triton.serving import model_configs
     from personaplex_triton.serving.launch import TritonServer, child_processes
 
     repository = ONE_STUB_REPOSITORY
     if settings:
-        repository = tmp_path / "model_repository_one_stub"
-        shutil.copytree(ONE_STUB_REPOSITORY, repository, ignore=shutil.ignore_patterns("__pycache__"))
+        repository = tmp_path / "model_repository_one_stub"  # written with a copy of the models (model_configs.write)
         model_configs.main(["--one-stub", "--out", str(repository), *(f"--set={item}" for item in settings)])
     with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)},
                       log_path=tmp_path / "tritonserver.log") as server:

@@ -306,6 +306,25 @@ def test_fault_naming_a_slot_ends_that_conversation_only():
         engine.shutdown()
 
 
+def test_a_later_request_of_a_conversation_ended_by_a_fault_names_the_fault():
+    # Its answers and those of its earlier requests race to the client: each must name the cause.
+    stage = FaultyStage(2)
+    engine = SlotEngine(stage)
+    try:
+        engine.open(1, None)
+        stage.faults = [SlotFault(0, "bad row")]
+        assert "bad row" in run(engine, 1, ["a"]).errors[0]
+        with pytest.raises(ConversationError, match="conversation 1 is not open: it ended with an error: "
+                                                    "internal error while stepping this conversation: bad row"):
+            run(engine, 1, ["b"])
+        engine.open(1, None)  # the key's next conversation starts clean, and ends without an error
+        assert run(engine, 1, ["c"], close=True).errors == [None]
+        with pytest.raises(ConversationError, match=r"conversation 1 is not open \(its start request failed"):
+            run(engine, 1, ["d"])
+    finally:
+        engine.shutdown()
+
+
 def test_unattributed_fault_is_retried_once():
     stage = FaultyStage(2)
     engine = SlotEngine(stage)

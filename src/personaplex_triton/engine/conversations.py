@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..core import metrics as reasons
 
 log = logging.getLogger(__name__)
+
+# How many ended-with-an-error conversations keep their error for a later request of theirs.
+FAILURES_KEPT = 1024
 
 
 class ConversationError(ValueError):
@@ -108,6 +111,9 @@ class ConversationTable:
         self.all: list[Conversation] = []        # every conversation holding or awaiting a slot
         self.to_start: deque[Conversation] = deque()
         self._free = list(range(num_slots))
+        # Why recent conversations ended with an error, by key: a request of theirs that comes
+        # after it (or is answered before it: answers of different requests race) names it.
+        self._failures: OrderedDict[int, str] = OrderedDict()
 
     def admit(self, key: int, setup: Any, restart: bool) -> None:
         """A new conversation, to start before the next tick (see SlotEngine.open)."""
@@ -129,12 +135,15 @@ class ConversationTable:
                 f"at capacity: all {self.num_slots} conversation slots are busy; try again later",
                 reasons.NO_FREE_SLOT)
         conv = Conversation(key, setup)
+        self._failures.pop(key, None)
         self.open[key] = conv
         self.all.append(conv)
         self.to_start.append(conv)
 
     def conversation(self, key: int) -> Conversation:
         conv = self.open.get(key)
+        if conv is None and key in self._failures:
+            raise ConversationError(f"conversation {key} is not open: it ended with an error: {self._failures[key]}")
         if conv is None:
             raise ConversationError(
                 f"conversation {key} is not open (its start request failed, was never sent, it "
@@ -168,6 +177,15 @@ class ConversationTable:
         conv.closing = True
         if self.open.get(conv.key) is conv:
             del self.open[conv.key]
+
+    def fail(self, conv: Conversation, message: str) -> None:
+        """Close a conversation that ended with the error `message`, kept for its later requests."""
+        if self.open.get(conv.key, conv) is conv:  # not once its key is another conversation's
+            self._failures[conv.key] = message
+            self._failures.move_to_end(conv.key)
+            if len(self._failures) > FAILURES_KEPT:
+                self._failures.popitem(last=False)
+        self.close(conv)
 
     def close_idle(self, now: float, idle_timeout_s: float) -> list[Conversation]:
         """Close the open conversations with nothing pending for `idle_timeout_s`; returns them."""

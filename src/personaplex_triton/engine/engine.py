@@ -189,7 +189,7 @@ class SlotEngine:
             owed = [r.finish for r in conv.requests]
             conv.queue.clear()
             conv.requests.clear()
-            self._table.close(conv)
+            self._table.fail(conv, message)
             owed += self._table.release(conv, self.stage.stop)
         for on_done in owed:
             self.metrics.rejected(reason)

@@ -31,10 +31,11 @@
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
-# On the lent machine each part travels with this checkout in a `device` call of its own (a call
-# carries at most 64 MiB, and the checkout is about 15): scipy, then packages, then triton (with tools,
-# where a run profiles), one call after another at once, each of which installs its part and runs what it came for (a warm machine keeps build/, checkpoints/ and a started
-# server between calls that follow one another). docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
+# On the lent machine the parts travel with this checkout in two `device` calls, one after the
+# other (a call carries at most 64 MiB, and the checkout is about 20): scipy, then packages,
+# triton and tools together, which installs them and runs what it came for (a warm machine keeps
+# build/, checkpoints/ and a started server between calls that follow one another).
+# docs/gpu-serving.md's "Running on the lent H200" section has the exact calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

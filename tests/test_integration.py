@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton.core import audio, contract, loaders
+from personaplex_triton.core.metrics import scrape
 from personaplex_triton.serving.serving import send_threads_in_log, slots_in_log
 from triton_requests import raw_request, voice_input
 
@@ -248,6 +250,37 @@ def test_several_frames_per_request_and_an_empty_end(server):
         assert all(r.as_numpy(contract.AUDIO_OUT).shape == (contract.FRAME_SAMPLES,) for r in responses)
         responses, error = raw_request(server, np.zeros(0, np.float32), 601, False, True)
         assert error is None and responses == []
+
+
+def test_an_empty_end_ends_the_triton_sequence_of_a_refused_start(server):
+    frame = np.zeros(contract.FRAME_SAMPLES, np.float32)
+    _, error = raw_request(server, frame, 507, True, False, [voice_input("NOBODY")])
+    assert "unknown voice" in error
+    _, error = raw_request(server, frame, 507, False, False)
+    assert "not open" in error  # Triton still holds the sequence: the talker refuses its frame
+    responses, error = raw_request(server, np.zeros(0, np.float32), 507, False, True)
+    assert error is None and responses == []  # nothing to end: no error
+    _, error = raw_request(server, frame, 507, False, True)
+    assert "must specify the START flag" in error  # Triton's sequence batcher: the sequence ended
+
+
+def test_a_client_that_fails_mid_conversation_ends_it_at_once(server, user_audio):
+    def active():
+        return scrape(server.metrics_url)['personaplex_conversations_active{model="talker"}']
+
+    def hang_up(frame):
+        if frame.index == 3:
+            raise KeyboardInterrupt  # as a caller's Ctrl-C, between two frames (real time: none in flight)
+    with pytest.raises(KeyboardInterrupt):
+        stream_conversation(user_audio, url=server.grpc_url, sequence_id=508, realtime=True, on_frame=hang_up)
+    # its end went out before the stream closed: Triton's sequence is over, the talker's slot
+    # free well before the 60 s idle timeout
+    _, error = raw_request(server, np.zeros(contract.FRAME_SAMPLES, np.float32), 508, False, True)
+    assert "must specify the START flag" in error
+    deadline = time.monotonic() + 10
+    while active() != 0 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert active() == 0
 
 
 def test_cli_streams_any_wav_and_reports_json(server, tmp_path):

@@ -24,7 +24,7 @@ from .errors import (
 )
 from .live import LiveLine
 from .report import ConversationResult, latency_percentiles
-from .request import Persona, build_persona_inputs, build_request_inputs, new_sequence_id
+from .request import Persona, build_end_inputs, build_persona_inputs, build_request_inputs, new_sequence_id
 from .stream import stream_conversation
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "ServerUnreachableError",
     "StreamError",
     "StreamTimeoutError",
+    "build_end_inputs",
     "build_persona_inputs",
     "build_request_inputs",
     "is_final_response",

@@ -48,7 +48,7 @@ def open_stream(url: str, model_name: str, callback: Callable, *, check_ready: b
         ok = True
     finally:
         if started:
-            _stop_stream(client, graceful=ok)
+            stop_stream(client, graceful=ok)
         try:
             client.close()
         except Exception:
@@ -71,7 +71,7 @@ def check_server_ready(client: grpcclient.InferenceServerClient, url: str, model
         raise ServerError(f"model {model_name!r} is not ready on Triton at {url}")
 
 
-def _stop_stream(client, graceful: bool) -> None:
+def stop_stream(client, graceful: bool) -> None:
     """Stop the client's stream: gracefully (let the server finish) when `graceful`, and
     by cancelling it otherwise or when the graceful stop takes more than STOP_GRACE_S."""
     if graceful:

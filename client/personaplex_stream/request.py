@@ -71,6 +71,11 @@ def build_request_inputs(frame: np.ndarray, persona: Optional[Persona] = None, f
     return inputs
 
 
+def build_end_inputs() -> list:
+    """The InferInputs of an end request without audio: AUDIO_IN FP32 [0]."""
+    return [_tensor(contract.AUDIO_IN, np.zeros(0, np.float32))]
+
+
 def requested_outputs() -> list:
     """The outputs every request asks for: the agent's audio and text piece."""
     return [grpcclient.InferRequestedOutput(contract.AUDIO_OUT), grpcclient.InferRequestedOutput(contract.TEXT_OUT)]

@@ -20,11 +20,11 @@ from tritonclient.utils import InferenceServerException
 from . import contract
 from .answers import AnswerCollector, AnsweredFrame
 from .audio import split_frames
-from .connection import DEFAULT_URL, open_stream, strip_scheme
+from .connection import DEFAULT_URL, open_stream, stop_stream, strip_scheme
 from .errors import ServerError, error_text
 from .pacing import RealtimePacing, WindowPacing
 from .report import ConversationResult
-from .request import Persona, build_request_inputs, checked_sequence_id, requested_outputs
+from .request import Persona, build_end_inputs, build_request_inputs, checked_sequence_id, requested_outputs
 
 
 def stream_conversation(
@@ -68,9 +68,27 @@ def stream_conversation(
     with open_stream(url, model_name, answers.callback, check_ready=check_ready,
                      connect_timeout_s=connect_timeout_s) as client:
         pacing = RealtimePacing(answers) if realtime else WindowPacing(answers, max_in_flight)
-        _send_frames(client, frames, persona, model_name, sequence_id, answers, pacing)
-        answers.wait_until_answered(frames.shape[0])
+        try:
+            _send_frames(client, frames, persona, model_name, sequence_id, answers, pacing)
+            answers.wait_until_answered(frames.shape[0])
+        except BaseException:  # Ctrl-C too
+            _end_early(client, model_name, sequence_id, answers)
+            raise
     return answers.result(sequence_id)
+
+
+def _end_early(client, model_name: str, sequence_id: int, answers: AnswerCollector) -> None:
+    """The conversation failed or was interrupted after its start went out and before its end
+    did: send the end, without audio, and let the stream finish (within connection.STOP_GRACE_S),
+    so that the server frees its slot and Triton its sequence now, not at their idle timeouts."""
+    if not 0 < answers.sent < answers.n_frames:
+        return
+    try:
+        client.async_stream_infer(model_name, build_end_inputs(), sequence_id=sequence_id,
+                                  sequence_start=False, sequence_end=True, enable_empty_final_response=True)
+    except Exception:
+        return  # the stream is gone: the server's idle timeouts free what it held
+    stop_stream(client, graceful=True)
 
 
 def _send_frames(client, frames: np.ndarray, persona: Optional[Persona], model_name: str, sequence_id: int,

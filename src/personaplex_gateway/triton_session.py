@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
-from personaplex_stream import Persona, build_request_inputs, new_sequence_id
+from personaplex_stream import Persona, build_end_inputs, build_request_inputs, new_sequence_id
 from personaplex_stream import contract
 from tritonclient.utils import InferenceServerException
 
@@ -258,9 +258,7 @@ class TritonSession:
             self.timings.frames_in += 1
             self._handed_over[item.index] = time.perf_counter()
             yield self._request(build_request_inputs(item.samples))
-        empty = grpcclient.InferInput(contract.AUDIO_IN, [0], "FP32")
-        empty.set_data_from_numpy(np.zeros(0, np.float32))
-        yield self._request([empty], end=True)
+        yield self._request(build_end_inputs(), end=True)
 
     async def _either(self, awaitable) -> bool:
         """Await `awaitable` unless the session closes first; True where it closed."""

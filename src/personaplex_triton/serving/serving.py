@@ -230,6 +230,13 @@ class TalkerService:
                 self.engine.submit(conversation, [], None, lambda _: None, close=True)
             refuse(finish, exc, self.metrics)
             return
+        if end and not start and not len(frames) and not self.engine.is_open(conversation):
+            # An end without audio for a conversation that is not open asks for what already
+            # holds: a client's clean-up after a refused start or a failure, which ends its
+            # Triton sequence at once rather than at the sequence batcher's idle timeout.
+            finish(None)
+            return
+
         def on_output(step, index, last):
             send(self._answer(conversation, step, index, end and last), last)
 

@@ -9,6 +9,7 @@ import torch
 
 from personaplex_triton.engine.engine import ConversationError, SlotEngine
 from personaplex_triton.engine.starts import StartJob
+from polling import wait_for
 
 
 class CountingStage:
@@ -248,15 +249,6 @@ class RecordingMetrics(Metrics):
         self.up.append(up)
 
 
-def wait_until(condition, timeout_s=10):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_failing_send_ends_only_its_conversation(engine):
     engine.open(1, None)
     engine.open(2, None)
@@ -440,10 +432,10 @@ def test_while_the_sends_fall_behind_newcomers_are_refused_and_the_live_answers_
         engine.open(1, None)
         live = StalledSender()
         engine.submit(1, ["a", "b", "c"], live.on_output, live.on_done)
-        assert wait_until(lambda: engine.sends_behind_s() > 0.1)
+        assert wait_for(lambda: engine.sends_behind_s() > 0.1, every_s=0.05)
         with pytest.raises(ConversationError, match=r"at capacity: the answers leave \d+\.\d\d s after their ticks"):
             engine.open(2, None)
-        assert wait_until(lambda: any(b > 0.1 for b in metrics.behind))
+        assert wait_for(lambda: any(b > 0.1 for b in metrics.behind), every_s=0.05)
         unstall.set()
         live.wait()
         assert live.outputs == [("a", 1), ("b", 2), ("c", 3)] and live.errors == [None]
@@ -561,7 +553,7 @@ def test_idle_conversation_closed_after_timeout():
     try:
         engine.open(1, None)
         run(engine, 1, ["a"])
-        assert wait_until(lambda: not engine.is_open(1), 5)
+        assert wait_for(lambda: not engine.is_open(1), 5, every_s=0.05)
         engine.open(2, None)  # its slot is free
     finally:
         engine.shutdown()
@@ -835,7 +827,7 @@ def test_a_conversation_closed_while_it_starts_frees_its_slot_after_the_start():
     engine = SlotEngine(stage)
     try:
         engine.open(1, None)
-        assert wait_until(lambda: stage.log)  # its start under way
+        assert wait_for(lambda: stage.log, every_s=0.05)  # its start under way
         c = Collector()
         engine.submit(1, [], c.on_output, c.on_done, close=True)
         c.wait()
@@ -858,7 +850,7 @@ def test_starts_under_way_take_turns_a_piece_a_tick():
     try:
         live = live_conversation(engine, 300)
         engine.open(2, None)
-        assert wait_until(lambda: ("piece", [1]) in stage.log)
+        assert wait_for(lambda: ("piece", [1]) in stage.log, every_s=0.05)
         engine.open(3, None)
         for key in (2, 3):
             assert run(engine, key, ["x"]).outputs == [("x", 1)]
@@ -879,7 +871,7 @@ def test_a_drain_answers_a_conversation_whose_start_is_under_way():
     engine.open(1, None)
     pending = Collector()
     engine.submit(1, ["a", "b"], pending.on_output, pending.on_done)
-    assert wait_until(lambda: stage.log)  # its start under way
+    assert wait_for(lambda: stage.log, every_s=0.05)  # its start under way
     engine.shutdown(drain_s=10)
     pending.wait()
     assert pending.outputs == [("a", 1), ("b", 2)] and pending.errors == [None]
@@ -938,7 +930,7 @@ def test_a_starts_later_pieces_wait_for_two_ticks_while_live_frames_wait_and_not
 
         stage.log.clear()  # alone: nothing waits, so nothing spaces the pieces
         engine.submit(1, [], None, lambda _: None, close=True)
-        assert wait_until(lambda: ("stop", 0) in stage.log)
+        assert wait_for(lambda: ("stop", 0) in stage.log, every_s=0.05)
         engine.open(3, None)
         assert run(engine, 3, ["y"]).outputs == [("y", 1)]
         pieces = [i for i, entry in enumerate(stage.log) if entry[0] == "piece"]

@@ -24,7 +24,8 @@ from personaplex_triton.core.metrics import scrape, series_labels
 from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 from personaplex_triton.serving import health, model_configs
 from personaplex_triton.serving.launch import TritonServer, child_processes
-from triton_requests import raw_request, tensor, voice_input
+from polling import wait_for
+from triton_requests import active, raw_request, tensor, voice_input
 
 pytestmark = pytest.mark.integration
 
@@ -85,19 +86,6 @@ class Beside:
         assert self.result.frames_received == alone.frames_received == 24
         assert self.result.text_pieces == alone.text_pieces
         np.testing.assert_allclose(self.result.audio, alone.audio, atol=1e-4)
-
-
-def active(server, model="talker") -> float:
-    return scrape(server.metrics_url)[f'personaplex_conversations_active{{model="{model}"}}']
-
-
-def wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.25)
-    return False
 
 
 def test_malformed_and_over_limit_requests_get_clear_errors(faulty, healthy_alone):

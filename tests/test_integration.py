@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +11,9 @@ import pytest
 
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton.core import audio, contract, loaders
-from personaplex_triton.core.metrics import scrape
 from personaplex_triton.serving.serving import send_threads_in_log, slots_in_log
-from triton_requests import raw_request, voice_input
+from polling import wait_for
+from triton_requests import active, raw_request, voice_input
 
 pytestmark = pytest.mark.integration
 
@@ -265,9 +264,6 @@ def test_an_empty_end_ends_the_triton_sequence_of_a_refused_start(server):
 
 
 def test_a_client_that_fails_mid_conversation_ends_it_at_once(server, user_audio):
-    def active():
-        return scrape(server.metrics_url)['personaplex_conversations_active{model="talker"}']
-
     def hang_up(frame):
         if frame.index == 3:
             raise KeyboardInterrupt  # as a caller's Ctrl-C, between two frames (real time: none in flight)
@@ -277,10 +273,7 @@ def test_a_client_that_fails_mid_conversation_ends_it_at_once(server, user_audio
     # free well before the 60 s idle timeout
     _, error = raw_request(server, np.zeros(contract.FRAME_SAMPLES, np.float32), 508, False, True)
     assert "must specify the START flag" in error
-    deadline = time.monotonic() + 10
-    while active() != 0 and time.monotonic() < deadline:
-        time.sleep(0.25)
-    assert active() == 0
+    assert wait_for(lambda: active(server) == 0, 10)
 
 
 def test_cli_streams_any_wav_and_reports_json(server, tmp_path):

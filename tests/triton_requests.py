@@ -1,5 +1,6 @@
 """Raw requests to the served `ensemble`, one per gRPC stream, for tests that need exact control
-over what is sent (the client library sends only well-formed conversations)."""
+over what is sent (the client library sends only well-formed conversations); and how many
+conversations the server's metrics say a model holds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import tritonclient.grpc as grpcclient
 
 from personaplex_stream import is_final_response
 from personaplex_triton.core import contract
+from personaplex_triton.core.metrics import scrape
 
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.int64): "INT64",
              np.dtype(np.int32): "INT32", np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES"}
@@ -52,3 +54,9 @@ def raw_request(server, frames_audio, sequence_id, start, end, extra=(), timeout
     client.stop_stream()
     client.close()
     return responses, (errors[0] if errors else None)
+
+
+def active(server, model="talker") -> float:
+    """The conversations `model` holds a slot for, from the server's metrics."""
+    return scrape(server.metrics_url)[f'personaplex_conversations_active{{model="{model}"}}']
+

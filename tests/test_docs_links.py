@@ -1,4 +1,5 @@
-"""Every relative link in the README and docs/ reaches a file, and every anchor a heading of it.
+"""Every relative link in the README and docs/ reaches a file, and every anchor a heading of it;
+every file in bench/results/ is named in its index.
 
 Anchors follow GitHub's rule: the heading's text lowercased, what is not a letter, digit, space,
 hyphen or underscore dropped, spaces turned into hyphens; a repeated heading gets -1, -2, ...
@@ -72,10 +73,16 @@ def test_a_missing_file_and_a_missing_anchor_are_found(tmp_path):
     (tmp_path / "other.md").write_text("# A heading: with `code`, and punctuation!\n")
     page = tmp_path / "page.md"
     page.write_text("[ok](other.md#a-heading-with-code-and-punctuation) [gone](missing.md) "
-                    "[no anchor](other.md#elsewhere) [web](https://example.com/x)\n\n    [in code](nowhere.md)\n")
+                    "[no anchor](other.md#elsewhere) [web](https://example.com/x)\n\n    make it [in code](nowhere.md)\n```\n[fenced](nowhere.md)\n```\n")
     assert broken(page) == ["missing.md: no such file", "other.md#elsewhere: no heading with that anchor"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     assert broken(page) == []
+
+
+def test_every_result_file_is_named_in_the_results_index():
+    results = ROOT / "bench" / "results"
+    index = (results / "README.md").read_text()
+    assert [f.name for f in sorted(results.iterdir()) if f.name != "README.md" and f.name not in index] == []

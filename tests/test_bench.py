@@ -632,3 +632,114 @@ def test_agreement_compares_one_conversation_from_the_same_state_alone_and_in_a_
     assert result == {"frames": 12, "candidate_rows": 4, "tokens_equal_pct": 100.0, "steps_with_a_difference": 0,
                       "first_differing_steps": []}
 
+
+
+def test_recovery_is_the_last_late_frame_after_the_freeze_and_none_when_the_level_ends_late():
+    """After a freeze ending at 2.0 s: frames late until 2.4 s, then in time: 0.4 s; a late frame
+    sent during the freeze does not count; nothing late after it: 0; the last frame late: None."""
+    send = [i * 0.08 for i in range(50)]  # 0 to 3.92 s
+    latencies = [300.0 if 1.8 <= t <= 2.4 else 40.0 for t in send]
+    assert stats.recovery_s(send, latencies, 2.0) == round(max(t for t in send if t <= 2.4) - 2.0, 3)
+    assert stats.recovery_s(send, [300.0 if t < 2.0 else 40.0 for t in send], 2.0) == 0.0
+    assert stats.recovery_s(send, [40.0] * 49 + [81.0], 2.0) is None
+    assert stats.recovery_s(send, [80.0] * 50, 2.0) == 0.0  # at most 80 ms is in time
+
+
+def test_server_processes_are_named_by_role_from_their_command_lines():
+    from bench import host_cpu
+
+    assert host_cpu.role(["/opt/tritonserver/bin/tritonserver", "--model-repository=/r"]) == "tritonserver"
+    stub = ["/opt/tritonserver/backends/python/triton_python_backend_stub", "/tmp/x/model_repository/talker/1/model.py",
+            "triton_python_backend_shm_region_1", "1048576"]
+    assert host_cpu.role(stub) == "stub talker"
+    stage = ["/usr/bin/python3", "-c", "from personaplex_triton.engine.stage_process import main; main()",
+             "code2wav", "7"]
+    assert host_cpu.role(stage) == "stage code2wav"
+    assert host_cpu.role(["/usr/bin/python3", "-m", "personaplex_triton.serving.launch"]) == "launcher"
+    before = {1: ("tritonserver", 2.0), 2: ("stub talker", 1.0)}
+    after = {1: ("tritonserver", 2.5), 2: ("stub talker", 1.25), 3: ("stub talker", 0.5)}  # 3: born in between
+    assert host_cpu.cpu_by_role(before, after) == {"stub talker": 0.75, "tritonserver": 0.5}
+
+
+def test_pinning_splits_the_cores_where_there_are_enough_and_is_a_choice_below():
+    from bench import host_cpu
+
+    assert host_cpu.parse_cpus("0-3,6") == [0, 1, 2, 3, 6]
+    assert host_cpu.pin_plan(list(range(16))) == (list(range(12)), [12, 13, 14, 15])
+    assert host_cpu.pin_plan([0, 1, 2, 3]) == ([0, 1, 2], [3])
+    assert host_cpu.pin_plan([0, 1]) is None and host_cpu.pin_plan(list(range(8)), pin=False) is None
+    assert host_cpu.pin_plan([0, 1], pin=True) == ([0], [1])
+    assert host_cpu.pin_plan([0, 1, 2, 3], server=[0, 1]) == ([0, 1], [2, 3])
+    for server in ([0, 1], [5]):  # all of them, or one not there
+        with pytest.raises(ValueError):
+            host_cpu.pin_plan([0, 1], server=server)
+    assert report._core_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def _state(pid: int) -> str:
+    from pathlib import Path
+
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_freezer_stops_a_counting_child_and_always_lets_it_go(tmp_path):
+    """A child that counts: frozen, its count stands still and it is stopped ('T'); after the
+    freeze it counts again. Leaving the block by an error mid-freeze continues it at once."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from bench.host_noise import Burners, Freezer, parse_noise
+
+    count = tmp_path / "count"
+    child = subprocess.Popen([sys.executable, "-c", "import os, pathlib, time\np = pathlib.Path(r'%s')\nn = 0\n"
+                              "while True:\n    n += 1\n    p.with_suffix('.new').write_text(str(n))\n"
+                              "    os.replace(p.with_suffix('.new'), p)\n    time.sleep(0.005)" % count])
+
+    def counted() -> int:
+        return int(count.read_text())
+
+    try:
+        while not count.exists():
+            time.sleep(0.01)
+        with Freezer.once([child.pid], 800, at_s=0.05) as freezer:
+            time.sleep(0.2)
+            assert _state(child.pid) == "T"
+            held = counted()
+            time.sleep(0.1)
+            assert counted() == held
+            while not freezer.freezes:
+                time.sleep(0.05)
+            time.sleep(0.1)
+            assert counted() > held and _state(child.pid) != "T"
+        [(start, end)] = freezer.freezes
+        assert 0.78 < end - start < 1.2
+        began = time.monotonic()
+        with Freezer([child.pid], 50, period_ms=100) as freezer:
+            time.sleep(0.55)
+        periods = (time.monotonic() - began) / 0.1
+        # one a period (fewer where this shared machine made one overrun), the last perhaps cut short by leaving
+        assert 2 <= len(freezer.freezes) <= periods and all(0.04 < end - start < 0.3
+                                                             for start, end in freezer.freezes[:-1])
+        began = time.monotonic()
+        with pytest.raises(RuntimeError):
+            with Freezer.once([child.pid], 5000, at_s=0.05):
+                time.sleep(0.15)  # a freeze of 5 s has begun
+                assert _state(child.pid) == "T"
+                raise RuntimeError("the level failed")
+        assert time.monotonic() - began < 1 and _state(child.pid) != "T"
+        held = counted()
+        time.sleep(0.1)
+        assert counted() > held
+    finally:
+        child.kill()
+        child.wait()
+    with Burners(1) as burners:
+        time.sleep(0.2)
+        assert burners.processes[0].poll() is None and _state(burners.processes[0].pid) == "R"
+    assert burners.processes[0].poll() is not None
+    assert parse_noise("20/1000") == (20.0, 1000.0)
+    for wrong in ("20", "1000/20", "a/b"):
+        with pytest.raises(ValueError):
+            parse_noise(wrong)

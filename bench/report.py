@@ -283,7 +283,8 @@ def _cores_and_noise_lines(h: dict) -> list[str]:
         if noise["freeze_ms_every_ms"]:
             parts.append("the server's processes frozen (SIGSTOP) {:g} ms every {:g} ms".format(*noise["freeze_ms_every_ms"]))
         if noise["burn_cores"]:
-            parts.append(f"{noise['burn_cores']} cores kept busy by spinning processes"
+            parts.append(f"{noise['burn_cores']} core{'s' if noise['burn_cores'] > 1 else ''} kept busy by spinning "
+                         "processes"
                          + (f" (on cores {_core_list(noise['burn_cpus'])})" if noise["burn_cpus"] else ""))
         if noise["freeze_once_ms"]:
             parts.append(f"one freeze of {noise['freeze_once_ms']:g} ms mid-level")

@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.command = " ".join(["python -m bench.run", *argv])
     started, clock = report.now(), time.monotonic()
+    args.machine = report.machine()  # the cores this process may use, before any pinning
     if "perf-analyzer" in args.stages:
         log(f"[perf_analyzer] {perf_analyzer.check()}")  # before a server starts: fail fast
     if args.url:
@@ -187,7 +188,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
     if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
         raise SystemExit(f"--pa-concurrency {max(args.pa_concurrency)}: the server's talker has {slots} "
                          "conversation slots (max_conversations); more would be refused")
-    machine = report.machine()
+    machine = args.machine
     if local and not machine["gpus"] and info["talker"]["kv_dtype"].startswith("auto"):
         info["talker"]["kv_dtype"] = "float32 (auto: the LM's dtype on a CPU)"  # this machine's server, on its CPU
     configured = info["talker"]["checkpoint"]
@@ -212,7 +213,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
     noise = None
     if args.host_noise or args.burn_cores or args.freeze_once:
         noise = Noise(every=args.host_noise, burn_cores=args.burn_cores, freeze_once_ms=args.freeze_once,
-                      burn_cpus=tuple(pins[0]) if pins else None)
+                      burn_cpus=tuple(pins[0]) if pins and args.burn_cores else None)
         header["noise"] = noise.header()
     result = {"header": header}
     stem = result_stem(header, args.name or machine["slug"])

@@ -349,6 +349,55 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert all(len(p["pieces_ms"]) == p["pieces"] and p["begin_ms"] >= 0 for p in prefills)  # as the loop saw them
     assert "Each new persona's start" in text and "Each prefill on its own" in text
     assert (tmp_path / f"{stem}-load.png").exists()
+    # the server is on this host: its processes' CPU a frame by role, found by its gRPC port
+    share = row["host_share"]
+    assert set(share["cpu_ms_per_frame"]) == {"tritonserver", "stub talker", "stub code2wav", loadgen.LOAD_GENERATOR}
+    assert all(ms > 0 for ms in share["cpu_ms_per_frame"].values()) and share["frames"] == row["client"]["frames_answered"]
+    assert share["server_ms_per_frame"] == pytest.approx(sum(
+        ms for name, ms in share["cpu_ms_per_frame"].items() if name != loadgen.LOAD_GENERATOR), abs=0.01)
+    assert share["steal_pct"] is not None and "### The host's share" in text
+    assert h["cores"]["pinned"] is False and h["cores"]["server"] and h["cores"]["load_generator"]
+
+
+@pytest.mark.integration
+def test_bench_run_pins_its_own_server_counts_every_role_and_reports_the_recovery_after_a_freeze(
+        tiny_checkpoint, tmp_path):
+    """`python -m bench.run` starting its server with each stage in a process of its own, pinned to
+    core 0 and the load generator to the rest, one freeze of 200 ms and a freeze of 20 ms every
+    second: every process role costs CPU, the header says the cores and the noise, the level
+    its freezes and the recovery after the single one."""
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"pinning needs 2 cores, this process has {cores}")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--stages", "load", "--conversations", "1", "--seconds", "3",
+         "--set", "talker.stage_process=true", "--set", "code2wav.stage_process=true", "--pin-server", str(cores[0]),
+         "--freeze-once", "200", "--host-noise", "20/1000", "--out", str(tmp_path), "--name", "t"],
+        env={**os.environ, "PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [saved] = tmp_path.glob(f"*-t{report.LOAD_RESULT_SUFFIX}")
+    result = report.read_result(saved)
+    h, [row] = result["header"], result["load"]
+    assert h["cores"] == {"pinned": True, "server": cores[:1], "load_generator": cores[1:]}
+    assert h["noise"] == {"freeze_ms_every_ms": [20.0, 1000.0], "burn_cores": 0, "burn_cpus": None,
+                          "freeze_once_ms": 200.0}
+    share = row["host_share"]["cpu_ms_per_frame"]
+    assert set(share) == {"tritonserver", "stub talker", "stub code2wav", "stage talker", "stage code2wav",
+                          loadgen.LOAD_GENERATOR}
+    assert all(ms > 0 for ms in share.values()), share
+    noise = row["noise"]
+    assert noise["freezes"] >= 2 and noise["frozen_ms"] >= 20 * noise["freezes"]
+    once = noise["freeze_once"]
+    assert 190 <= once["ms"] < 400 and 0 < once["at_s"] < row["per_conversation"][0]["seconds"]
+    assert once["recovery_s"] is None or once["recovery_s"] >= 0
+    text = saved.with_name(saved.name.removesuffix(report.LOAD_RESULT_SUFFIX) + ".md").read_text()
+    assert f"- Cores: pinned to disjoint cores; server on cores {cores[0]}" in text
+    assert "one freeze of 200 ms mid-level" in text and "### Host noise" in text and "| stage talker |" in text
 
 
 @pytest.mark.integration

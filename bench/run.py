@@ -7,6 +7,12 @@ server's overhead over the library in-process. One command, on any server it can
     python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 240 --persona-every 30
     python -m bench.run --url gpu-host:8001 --stages load --conversations 64 --seconds 30 --aged-context 2500
     python -m bench.run --one-stub               # starts it on model_repository_one_stub (both stages in one stub)
+    python -m bench.run --stages load --conversations 8 --seconds 30 --host-noise 20/1000 --burn-cores 2 --freeze-once 200
+
+Each load level reports the host's share: the CPU a frame of each server process on this host
+(tritonserver, each stub, each stage process), of the load generator, and the host's steal. A
+server the bench starts and the load generator run on disjoint cores where there are 4 or more
+(--no-pin, --pin-server CPUS); the header says which cores each side ran on.
 
 Writes <out>/<YYYY-MM-DD>-<machine>.md (tables), .json (figures) and -load.png /
 -perf-analyzer.png (plots), and prints the tables. `make bench` installs what it needs first.

@@ -281,7 +281,8 @@ def _cores_and_noise_lines(h: dict) -> list[str]:
     if noise := h.get("noise"):
         parts = []
         if noise["freeze_ms_every_ms"]:
-            parts.append("the server's processes frozen (SIGSTOP) {:g} ms every {:g} ms".format(*noise["freeze_ms_every_ms"]))
+            freeze_ms, period_ms = noise["freeze_ms_every_ms"]
+            parts.append(f"the server's processes frozen (SIGSTOP) {freeze_ms:g} ms every {period_ms:g} ms")
         if noise["burn_cores"]:
             parts.append(f"{noise['burn_cores']} core{'s' if noise['burn_cores'] > 1 else ''} kept busy by spinning "
                          "processes"

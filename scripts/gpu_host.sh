@@ -27,7 +27,7 @@
 #                                    # (talker or code2wav) for SECONDS, every thread and the GIL's holder at once,
 #                                    # raw collapsed stacks as DIR/STAGE-pyspy.tar.xz
 #   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
-#                                    # (to read them here: python -m bench.slow_ticks, bench/ticks.py, core/trace.py)
+#                                    # (to read them here: bench/ticks.py, core/trace.py)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #

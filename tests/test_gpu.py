@@ -244,12 +244,12 @@ def test_the_talkers_encode_on_a_stream_of_its_own_gives_the_same_tokens(files):
 
 def test_a_graphed_tick_makes_few_pytorch_calls(files):
     """Each PyTorch call from Python lets a Triton stub's other threads take the GIL, and the
-    tick's thread then waits to get it back (bench/tick_contention.py): a graphed talker tick
+    tick's thread then waits to get it back (bench/experiments/tick_contention.py): a graphed talker tick
     hands its step one packed tensor and takes one back, Mimi's rows are stacked in numpy, so a
     tick's calls do not grow with its rows (bench/results/tick_contention-h100-*.md)."""
     import numpy as np
 
-    from bench.tick_contention import calls_a_tick
+    from bench.gpu_step import calls_a_tick
     from personaplex_triton.core import loaders
     from personaplex_triton.mimi.runtime import open_step
     from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame

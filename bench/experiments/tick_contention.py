@@ -10,7 +10,7 @@ alone, then beside `--threads` threads that each take the GIL for `--hold-us` mi
 wall time, its thread's CPU time (a GPU wait spins on the CPU, so wall - CPU is the time off the
 CPU: waiting for the GIL), and the PyTorch calls a tick makes from Python.
 
-    python bench/tick_contention.py --tokenizer TOKENIZER.model --rows 14 --fill 3000 --out bench/results
+    python -m bench.experiments.tick_contention --tokenizer TOKENIZER.model --rows 14 --fill 3000 --out bench/results
 """
 
 from __future__ import annotations
@@ -26,19 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
-
-class CallCounter(TorchFunctionMode):
-    """Counts the PyTorch functions and tensor methods called from Python (each lets go of the GIL)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
+from bench.gpu_step import calls_a_tick
 
 
 class GilTakers:
@@ -80,13 +69,6 @@ def timed_ticks(tick, count: int) -> dict:
     off = [w - c for w, c in zip(wall, cpu)]
     return {"wall_p50": round(statistics.median(wall), 2), "wall_p99": round(float(np.percentile(wall, 99)), 2),
             "off_cpu_p50": round(statistics.median(off), 2), "off_cpu_p99": round(float(np.percentile(off, 99)), 2)}
-
-
-def calls_a_tick(tick) -> int:
-    counter = CallCounter()
-    with counter:
-        tick()
-    return counter.calls
 
 
 def stages(args):
@@ -137,7 +119,7 @@ def main(argv=None) -> int:
         rows.append({"stage": name, "calls": calls, "alone": alone, "beside": beside})
         print(rows[-1], flush=True)
     report = {"date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "python bench/tick_contention.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m bench.experiments.tick_contention " + " ".join(sys.argv[1:] if argv is None else argv),
               "name": args.name, "args": {k: v for k, v in vars(args).items() if k not in ("out", "tokenizer")},
               "rows": rows}
     write_report(report, args.out, args.name)

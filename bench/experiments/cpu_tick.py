@@ -9,7 +9,7 @@ Mimi encode is not counted (it follows the answer). With `--base SRC`, a second 
 `personaplex_triton` (SRC/src, loaded under another name) ticks a talker of its own on the
 same weights, the two taking turns tick by tick, so that the machine's drift falls on both:
 
-    python -m bench.cpu_tick --base /tmp/main --ticks 400 --name cpu-tick
+    python -m bench.experiments.cpu_tick --base /tmp/main --ticks 400 --name cpu-tick
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -28,7 +28,8 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before 
 import numpy as np
 import torch
 
-from bench import report, trees, workload
+from bench import report, workload
+from bench.experiments import trees
 
 PARTS = ("temporal transformer", "text head", "depformer")
 
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     for i in range(20 + args.ticks):
         for clock in clocks.values():
             clock.tick(speech[i % len(speech)], record=i >= 20)
-    result = report.run_record("bench.cpu_tick", argv, args.commit, started,
+    result = report.run_record("bench.experiments.cpu_tick", argv, args.commit, started,
                                load_average=[round(load, 2), round(os.getloadavg()[0], 2)],
                                trees={label: {"median_ms": summary(c.ticks), "ticks": c.ticks} for label, c in clocks.items()})
     for clock in clocks.values():

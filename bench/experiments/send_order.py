@@ -21,7 +21,7 @@ join always waited longest.
   follows the talker's. Join order against oldest first: p50, p99, frames over 80 ms, and the p99
   of the first and the last conversation to join. A model, not a measurement.
 
-    python -m bench.send_order --result bench/results/2026-12-05-h200-n64-240s-bf16.json.xz --name h200-a8cdabc
+    python -m bench.experiments.send_order --result bench/results/2026-12-05-h200-n64-240s-bf16.json.xz --name h200-a8cdabc
 
 writes bench/results/<date>-send-order-<name>.{md,json,png}.
 """
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                                                  "send_ms", "code2wav_tick_ms", "code2wav_send_ms", "other_ms")}
     measured = by_start_quarter(report.read_result(args.result)["load"][0]) if args.result else []
     started = report.now()
-    result = report.run_record("bench.send_order", argv, args.commit, started, model=model, measured=measured,
+    result = report.run_record("bench.experiments.send_order", argv, args.commit, started, model=model, measured=measured,
                                measured_from=str(args.result) if args.result else None,
                                orders={order: simulate(**model, oldest_first=order == ORDERS[1]) for order in ORDERS})
     report.save(result, args.out, f"{started:%Y-%m-%d}-send-order-{args.name}", markdown, plot)

@@ -7,8 +7,8 @@ checkpoint, `--conversations` started. Then, twice, first as loaded and then aft
 3), and `--seconds` of ticks over every conversation, each collection in them timed by
 generation (`PauseWatch`). A collection holds the GIL: in a stub every thread waits it out.
 
-    python -m bench.gc_pause --name gc-pause-cpu2
-    python -m bench.gc_pause --checkpoint checkpoints/7b --device cuda --conversations 16 --name gc-pause-h100
+    python -m bench.experiments.gc_pause --name gc-pause-cpu2
+    python -m bench.experiments.gc_pause --checkpoint checkpoints/7b --device cuda --conversations 16 --name gc-pause-h100
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     phases[PHASES[1]] = phase(talker, args.conversations, args.seconds)
     gc.unfreeze()
     talker.close()
-    result = report.run_record("bench.gc_pause", argv, args.commit, started, checkpoint=args.checkpoint,
+    result = report.run_record("bench.experiments.gc_pause", argv, args.commit, started, checkpoint=args.checkpoint,
                                device=args.device, conversations=args.conversations, seconds=args.seconds,
                                phases=phases)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)

@@ -7,7 +7,7 @@ two take turns; medians over the rounds. `--bundle-dim D`: the voice is a bundle
 shape for an LM of width D (4096: the 7B's, 3.6 MB), added to a copy of the checkpoint's voices
 (the tiny LM cannot play it: the start fails at its first piece, after the crossing timed here).
 
-    python -m bench.start_crossing --bundle-dim 4096 --name start-crossing-cpu2
+    python -m bench.experiments.start_crossing --bundle-dim 4096 --name start-crossing-cpu2
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:  # the copy with the wide bundle, if one is asked for
         served = with_bundle(checkpoint, args.bundle_dim, Path(folder)) if args.bundle_dim else checkpoint
         found = run(served, args.rounds, BUNDLE if args.bundle_dim else None)
-    result = report.run_record("bench.start_crossing", argv, args.commit, started, device="cpu",
+    result = report.run_record("bench.experiments.start_crossing", argv, args.commit, started, device="cpu",
                                checkpoint=report.checkpoint_label(checkpoint), **found)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0

@@ -1,4 +1,4 @@
-"""bench/send_rate.py's model: each request is answered with COUNT responses of the served shape
+"""bench/experiments/send_rate.py's model: each request is answered with COUNT responses of the served shape
 (a frame of audio and a text piece), put into the project's outbox (engine/outbox.py) with LANES
 send threads and sent as the served stages send (serving/triton_adapter.responder). Each response
 carries when it was put and when its send began (this process's monotonic clock, seconds)."""

@@ -4,9 +4,9 @@ depformer, sampling) under CUDA graphs at several batch sizes, and the kernels o
 launches (how many, and their GPU time by kernel, from torch.profiler). Run it on two source
 trees in one session to compare them:
 
-    python bench/step_profile.py --label fused --out bench/results
-    PYTHONPATH=/tmp/base/src python bench/step_profile.py --label base --out bench/results
-    python bench/step_profile.py --compare bench/results/step_profile-base.json bench/results/step_profile-fused.json
+    python -m bench.experiments.step_profile --label fused --out bench/results
+    PYTHONPATH=/tmp/base/src python -m bench.experiments.step_profile --label base --out bench/results
+    python -m bench.experiments.step_profile --compare bench/results/step_profile-base.json bench/results/step_profile-fused.json
 
 The first two write step_profile-LABEL.json; --compare writes step_profile.{md,png} (--name) under --out.
 """
@@ -103,7 +103,7 @@ def compare(paths: list[Path], out: Path, name: str) -> None:
              f"PersonaPlex 7B shape, random bf16 weights, {first['kv_dtype']} KV, every conversation {first['fill']} "
              f"frames in; `SlotGenerator.step` under CUDA graphs (median of {first['steps']}), and the kernels of one "
              "eager step (torch.profiler). Trees: " + ", ".join(f"{run['label']} = {run['commit']}" for run in runs)
-             + ". Command: `python bench/step_profile.py` (its docstring).", "",
+             + ". Command: `python -m bench.experiments.step_profile` (its docstring).", "",
              "| conversations | " + " | ".join(f"{label}: step (ms) | {label}: kernels | {label}: kernel time (ms)"
                                              for label in labels)
              + (f" | {labels[-1]} / {labels[0]} step |" if len(runs) > 1 else " |"),

@@ -20,8 +20,8 @@ process's own cost from code2wav's (served, beside it on the GPU). `--code2wav` 
 code2wav: each live tick's answers decoded while the next piece runs (in a process of its own
 too with `--stage-process`).
 
-    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --name prefill-pieces-h200
-    python -m bench.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 --kv-dtype float8_e4m3fn \
+    python -m bench.experiments.prefill_pieces --checkpoint checkpoints/7b --device cuda --name prefill-pieces-h200
+    python -m bench.experiments.prefill_pieces --checkpoint checkpoints/7b --device cuda --live 54 --kv-dtype float8_e4m3fn \
         [--stage-process] [--code2wav] --name prefill-pieces-live
 
 writes bench/results/<date>-<name>.{md,json,png}.
@@ -99,7 +99,7 @@ def counted_pieces(talker, slot: int, setup, before_piece) -> list[int] | None:
     """The PyTorch calls from Python of each piece of `setup`'s start in `slot` (each is a
     launch, or more, from a host the server's other processes share); None for a talker in a
     process of its own."""
-    from bench.tick_contention import CallCounter
+    from bench.gpu_step import CallCounter
     from personaplex_triton.engine.stage_process import StageProcess
 
     if isinstance(talker, StageProcess):
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
         raise SystemExit("--code2wav decodes the live conversations' answers: give --live N too")
     starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing,
                              args.stage_process, args.kv_dtype, args.code2wav)
-    result = report.run_record("bench.prefill_pieces", argv, args.commit, started, device=args.device,
+    result = report.run_record("bench.experiments.prefill_pieces", argv, args.commit, started, device=args.device,
                                checkpoint=report.checkpoint_label(checkpoint), kv_dtype=args.kv_dtype, pool=pool, live=live,
                                stage_process=args.stage_process, starts=starts)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)

@@ -8,7 +8,7 @@ that arrived meanwhile, per millisecond; code2wav's ticks over the same time (it
 shares the card: a stalled card slows them too); and the tick's time off the CPU, where the
 trace keeps the tick's CPU time. Then how far apart the slow ticks come.
 
-    python -m bench.slow_ticks TRACE_DIR [--over-ms 60]
+    python -m bench.experiments.slow_ticks TRACE_DIR [--over-ms 60]
 
 `scripts/gpu_host.sh traces DIR` brings a run's traces back as DIR/trace.tar.xz; untar it and
 name the `trace` folder inside.

@@ -10,12 +10,12 @@ of each segment of a frame's trip (core/trace.py) and of their sum outside the t
 Triton, the stubs and the hand-off between the stages add.
 
 With `--floor`, each round also runs the same paced conversations through Triton's floor
-(`bench/floor_repository`: a decoupled Python model of the served contract that answers each
+(`bench/experiments/floor_repository`: a decoupled Python model of the served contract that answers each
 frame at once from execute, with no model behind it): what tritonserver, gRPC and one Python
 stub cost a frame whatever the project does, so the rest of "outside the two ticks" is ours.
 
-    python -m bench.crossings --rounds 3 --seconds 30 --name cpu2-intel-xeon
-    python -m bench.crossings --repositories "two engines" "one tick" --floor --rounds 1 --seconds 20
+    python -m bench.experiments.crossings --rounds 3 --seconds 30 --name cpu2-intel-xeon
+    python -m bench.experiments.crossings --repositories "two engines" "one tick" --floor --rounds 1 --seconds 20
 
 writes bench/results/<date>-<name>-crossings.{md,json,png}.
 """
@@ -90,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repositories", nargs="+", choices=list(REPOSITORIES), default=list(REPOSITORIES),
                         help="which servers take turns (default: all)")
     parser.add_argument("--floor", action="store_true",
-                        help="also Triton's floor each round (bench/floor_repository: a model that answers at once)")
+                        help="also Triton's floor each round (bench/experiments/floor_repository: a model that answers at once)")
     parser.add_argument("--out", type=Path, default=report.REPO_ROOT / "bench" / "results")
     parser.add_argument("--name", default=report.machine()["slug"])
     parser.add_argument("--commit", help="the tree measured, for the header (default: git's; a copied checkout's "
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
             print(f"{report.now():%H:%M:%S} round {round_}, {FLOOR}: p50 {runs[-1]['p50']} ms", file=sys.stderr,
                   flush=True)
     labels = [*args.repositories, *([FLOOR] if args.floor else [])]
-    result = report.run_record("bench.crossings", argv, args.commit, started, conversations=args.conversations,
+    result = report.run_record("bench.experiments.crossings", argv, args.commit, started, conversations=args.conversations,
                                seconds=args.seconds, runs=runs,
                                summary={label: summary([r for r in runs if r["repository"] == label])
                                         for label in labels})
@@ -148,7 +148,7 @@ def markdown(result: dict, plot_name: str) -> str:
               "| frame p50 / p99 | " + " | ".join(f"{summaries[label]['p50']} / {summaries[label]['p99']}"
                                                  for label in labels) + " |"]
     if floor is not None:
-        lines += ["", f"Triton's floor (`bench/floor_repository`: the served contract, each frame answered at once "
+        lines += ["", f"Triton's floor (`bench/experiments/floor_repository`: the served contract, each frame answered at once "
                       f"from a Python stub's execute, no model behind it; the same client and pacing), frame p50 / p99: "
                       f"**{floor['p50']}** / {floor['p99']} ms. Above it, outside the ticks: "
                   + ", ".join(f"{label} {round(summaries[label]['outside_ticks_ms'] - floor['p50'], 2)} ms"

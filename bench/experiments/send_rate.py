@@ -3,14 +3,14 @@
 Each served frame's answer is a round trip from the stub to tritonserver that waits with the GIL
 released. On an H100 host one thread sent up to 1,735 answers in a second, and about 450 through
 the hypervisor's steal episodes while 55 conversations asked for 687 (docs/gpu-serving-log.md). This
-measures the sends alone, with no model: a real tritonserver serving `bench/send_rate_repository`
+measures the sends alone, with no model: a real tritonserver serving `bench/experiments/send_rate_repository`
 (a decoupled Python model that answers each request with `--answers` responses of the served
 shape, through the project's outbox and the served stages' sends), `--streams` gRPC streams
 asking at once, for each lane count of `--lanes` in turn, `--rounds` times. The rate is the
 server's own: the answers over the time from the first put to the last send's start. The
 client checks that every stream got its answers, in order.
 
-    python -m bench.send_rate --lanes 1 2 4 8 --streams 55 --answers 100 --rounds 5 --name send-rate-cpu2
+    python -m bench.experiments.send_rate --lanes 1 2 4 8 --streams 55 --answers 100 --rounds 5 --name send-rate-cpu2
 
 writes bench/results/<date>-<name>.{md,json,png}.
 """
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         with TritonServer(REPOSITORY, log_path=Path(folder) / "tritonserver.log") as server:
             rows = measure(server.grpc_url, args.lanes, args.streams, args.answers, args.rounds)
-    result = report.run_record("bench.send_rate", argv, args.commit, started, streams=args.streams,
+    result = report.run_record("bench.experiments.send_rate", argv, args.commit, started, streams=args.streams,
                                answers=args.answers, rows=rows)
     report.save(result, args.out, f"{started:%Y-%m-%d}-{args.name}", markdown, plot)
     return 0
@@ -132,7 +132,7 @@ def markdown(result: dict, plot_name: str) -> str:
     lines = [*report.run_heading(result, "Answers a second a Python-backend stub sends, by send threads"),
              f"- {result['streams']} gRPC streams ask {result['answers']} answers each at once (1,920 float32 "
              "samples and a text piece, as served), through the outbox's lanes and the served sends "
-             f"(`bench/send_rate_repository`); {len(result['rows'][0]['rounds'])} rounds a lane count, in turn, "
+             f"(`bench/experiments/send_rate_repository`); {len(result['rows'][0]['rounds'])} rounds a lane count, in turn, "
              "after a warm-up round each.",
              "- The rate is the server's: the answers over the time from the first put to the last send's start.", "",
              f"| send threads | answers a second, p50 (min-max) | against {first} | every stream's answers in order |",

@@ -1,4 +1,4 @@
-"""bench/crossings.py's floor: what tritonserver and a Python stub cost a frame with nothing
+"""bench/experiments/crossings.py's floor: what tritonserver and a Python stub cost a frame with nothing
 behind them. Each request's frames are answered at once, from execute, with the served
 responses' tensors (the frame's samples back and an empty text piece; serving/triton_adapter's
 responder), so a client sees the served contract at Triton's own cost."""

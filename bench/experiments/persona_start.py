@@ -5,8 +5,8 @@ when N clients connect at once, started one by one and in one `Talker.start_many
 for all). With `--base SRC`, a second tree's talker on the same weights starts the same
 personas, the two taking turns, so that the machine's drift falls on both:
 
-    python -m bench.persona_start --base /tmp/main --rounds 10 --name persona-start-cpu2
-    python -m bench.persona_start --checkpoint checkpoints/7b --device cuda --name persona-start-h200
+    python -m bench.experiments.persona_start --base /tmp/main --rounds 10 --name persona-start-cpu2
+    python -m bench.experiments.persona_start --checkpoint checkpoints/7b --device cuda --name persona-start-h200
 
 writes bench/results/<date>-<name>.{md,json,png}. Wall time of the starts (on a GPU until
 their work is done), median over the rounds; the talker's slot pool is N + 1, without CUDA
@@ -27,8 +27,9 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before 
 import numpy as np
 import torch
 
-from bench import report, trees, workload
-from bench.tick_contention import calls_a_tick
+from bench import report, workload
+from bench.experiments import trees
+from bench.gpu_step import calls_a_tick
 
 ONE_BY_ONE, TOGETHER = "cached, one by one", "cached, together"
 LONGEST_PIECE, CACHED = "new persona, its longest piece", "cached persona"
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
                 for ms in starter.ms.values():
                     ms.clear()
     result = report.run_record(
-        "bench.persona_start", argv, args.commit, started, device=args.device,
+        "bench.experiments.persona_start", argv, args.commit, started, device=args.device,
         checkpoint=report.checkpoint_label(args.checkpoint), load_average=[round(load, 2), round(os.getloadavg()[0], 2)],
         together=args.together,
         trees={label: {"median_ms": {kind: round(statistics.median(s.ms[kind]), 1) if s.ms[kind] else None

@@ -12,7 +12,7 @@ each `--piece-ms` given, a piece run at most once in `--spacing` passes. For eac
 the live conversations' frames over 80 ms within 1 s of a start, per start, and elsewhere, and
 the start's length (what a newcomer waits for its first answer, less the trip).
 
-    python -m bench.start_cost_model --piece-ms 31 18 13
+    python -m bench.experiments.start_cost_model --piece-ms 31 18 13
 
 writes bench/results/<date>-start-cost-model-<name>.{md,json,png}. Checked against the H100's
 55 x 240 s run (5f53eaa: 3 pieces of about 31 ms, 42 late frames of the others a start).
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     for piece_ms in args.piece_ms:
         run = simulate(**model, piece_ms=piece_ms)
         rows.append({"piece_ms": piece_ms, **summary(run), "around_starts": around_starts(run)})
-    result = report.run_record("bench.start_cost_model", argv, args.commit, started, model=model, rows=rows)
+    result = report.run_record("bench.experiments.start_cost_model", argv, args.commit, started, model=model, rows=rows)
     report.save(result, args.out, f"{started:%Y-%m-%d}-start-cost-model-{args.name}", markdown, plot)
     return 0
 

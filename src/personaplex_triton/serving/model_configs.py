@@ -104,7 +104,7 @@ def talker_config(instances: Instances = Instances(), parameters=defaults(Talker
 
 
 def code2wav_config(instances: Instances = Instances(), parameters=defaults(Code2WavConfig)) -> str:
-    header = ("# Stage 1: the streaming Mimi decoder, decoder state kept per conversation (CONVERSATION_ID;\n"
+    header = ("# Stage 1: code2wav, Mimi's streaming decoder, its state kept per conversation (CONVERSATION_ID;\n"
               "# FRAME_INDEX 0 resets it, FINAL frees it), batched across conversations per tick. Under the\n"
               "# sequence batcher so that, with several instances, a conversation stays on one.\n")
     return _stage("code2wav", header, seam.TENSORS, contract.OUTPUTS, instances, parameters)

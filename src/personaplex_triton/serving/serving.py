@@ -136,8 +136,8 @@ def starts_in_log(text: str, year: int) -> list[dict]:
     """Each start the stages' engines logged in a tritonserver log of `year` (its lines give no
     year), in order: when it ended (`at`, seconds since the epoch, the server's local time),
     `stage`, `conversations`, `ms` (the whole start), `pieces`, `longest_ms` (the longest piece:
-    what the live conversations' frames waited for it), and, where the line has them (since
-    2026-12-06), `begin_ms` (`begin_starts`: a round trip to a stage's own process) and
+    what the live conversations' frames waited for it), and, where the line has them (older
+    logs lack them), `begin_ms` (`begin_starts`: a round trip to a stage's own process) and
     `pieces_ms` (each piece as the engine's loop waited for it); else None."""
     starts = []
     for month, day, hour, minute, second, stage, n, ms, pieces, longest, begun, each in _STARTED_IN_LOG.findall(text):

@@ -114,6 +114,7 @@ def test_auto_choices_follow_the_device():
     ("talker", "send_threads", "1.5", "send_threads must be a whole number of at least 1"),
     ("talker", "kv_dtype", "fp8", 'kv_dtype must be "auto" or "bfloat16" or "float8_e4m3fn"'),
     ("speech", "idle_timeout_s", "0", "idle_timeout_s must be more than 0 seconds"),
+    ("code2wav", "device", "gpu0", 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
     ("speech", "one_tick", "false", "speech: no such parameter: one_tick"),
     ("talker", "code2wav_conversations", "4", "talker: no such parameter: code2wav_conversations"),
 ])

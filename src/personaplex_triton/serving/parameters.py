@@ -10,6 +10,7 @@ is one field here, then `make configs` (and the docs table: model_configs.py --d
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
@@ -66,6 +67,13 @@ def text_as_is(text: str) -> str:
     return text.strip()
 
 
+def device_name(text: str) -> str:
+    word = text.strip().lower() or "auto"
+    if word not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", word):
+        raise ValueError('"auto", "cpu", "cuda" or "cuda:N"')
+    return word
+
+
 def voice_names(text: str) -> tuple[str, ...] | None:
     """"all" -> None (every voice of the checkpoint); else the names, comma-separated."""
     if text.strip().lower() == "all":
@@ -81,7 +89,7 @@ class StageConfig:
     max_conversations: int | None = parameter("auto", auto_or(whole(1)), "Conversation slots of one instance.")
     checkpoint: str = parameter("", text_as_is, '"" serves $PERSONAPLEX_CHECKPOINT, else the generated '
                                                 "checkpoints/tiny of this repository.")
-    device: str = parameter("auto", text_as_is, "auto: the instance's GPU where there is one, else the CPU.")
+    device: str = parameter("auto", device_name, "auto: the instance's GPU where there is one, else the CPU.")
     mimi_runtime: str = parameter(
         "auto", one_of("auto", "tensorrt", "onnxruntime", "torch"),
         "Where Mimi runs: auto (TensorRT engine, else ONNX Runtime on the CPU, else PyTorch; the server log "

@@ -1,14 +1,15 @@
 """The model repositories' `config.pbtxt` files, made from the wire contract.
 
 Tensor names, types and shapes come from `contract.INPUTS` / `contract.OUTPUTS` (the ensemble,
-the talker's inputs) and `seam.TENSORS` (between the stages); the model parameters and their
-defaults are each model's config (parameters.py). There are two repositories, both served as `ensemble`:
+the talker's inputs) and `seam.TENSORS` (between the stages); the model parameters, their
+defaults and help from each model's config (parameters.py), which also makes the parameter
+table of docs/configuration.md. There are two repositories, both served as `ensemble`:
 `model_repository` (talker, code2wav, and the ensemble chaining them) and
 `model_repository_one_stub` (`speech`: both stages in one Python stub, and the ensemble of it).
 The committed `config.pbtxt` files are this module's output with the defaults (a test checks
 it). A deployment writes its own:
 
-    python -m personaplex_triton.serving.model_configs                  # rewrite model_repository/*/config.pbtxt (and docs' table)
+    python -m personaplex_triton.serving.model_configs                  # rewrite model_repository/*/config.pbtxt, docs' table
     python -m personaplex_triton.serving.model_configs --one-stub       # rewrite model_repository_one_stub/*/config.pbtxt
     python -m personaplex_triton.serving.model_configs --check          # exit 1 where they differ from the contract
     python -m personaplex_triton.serving.model_configs --out /srv/models --gpus all \
@@ -196,7 +197,8 @@ def parameter_table() -> str:
         for entry in defaults(config):
             seen.setdefault(entry, []).append(model)
     for (key, value, help), models in seen.items():
-        rows.append(f"| `{key}` | {f'`{value}`' if value else '(empty)'} | {', '.join(models)} | {help.replace('|', '&#124;')} |")
+        shown = f"`{value}`" if value else "(empty)"
+        rows.append(f"| `{key}` | {shown} | {', '.join(models)} | {help.replace('|', '&#124;')} |")
     return "\n".join(rows)
 
 

@@ -81,6 +81,9 @@ def voice_names(text: str) -> tuple[str, ...] | None:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+IDLE_TIMEOUT_S = "60"  # both stages' (the talker's help says more of it)
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """The parameters both stages have. `device`, `stage_process` and `send_threads` may be
@@ -94,7 +97,7 @@ class StageConfig:
         "auto", one_of("auto", "tensorrt", "onnxruntime", "torch"),
         "Where Mimi runs: auto (TensorRT engine, else ONNX Runtime on the CPU, else PyTorch; the server log "
         "says which), or forced: tensorrt, onnxruntime, torch.")
-    idle_timeout_s: float = parameter("60", positive_seconds,
+    idle_timeout_s: float = parameter(IDLE_TIMEOUT_S, positive_seconds,
                                       "A conversation with nothing pending this long is closed.")
     send_threads: int | None = parameter(
         "auto", auto_or(whole(1)),
@@ -172,8 +175,9 @@ class TalkerConfig(StageConfig):
         f"Conversation slots of one instance: a number, or auto: {loaders.CPU_TALKER_SLOTS} on a CPU; on a GPU "
         "as many as fit in free memory at the full 3000-frame context (the server log says how many and why).")
     idle_timeout_s: float = parameter(
-        "60", positive_seconds, "A conversation with nothing pending this long is closed; slots of conversations "
-                                "silent this long are given to new ones when all are taken.")
+        IDLE_TIMEOUT_S, positive_seconds,
+        "A conversation with nothing pending this long is closed; slots of conversations silent this long are given "
+        "to new ones when all are taken.")
     dtype: str = parameter("auto", one_of("auto", "float32", "bfloat16"),
                            "The LM's dtype: auto (bfloat16 on a GPU, as published; float32 on a CPU), float32, "
                            "bfloat16.")

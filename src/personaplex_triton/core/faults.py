@@ -18,7 +18,7 @@ KINDS = ("tick", "flaky-tick", "broken-tick", "send")
 
 
 class StepNotRepeatable(RuntimeError):
-    """Raised by a stage's tick that failed after its state moved (stages/one_tick.py: the talker
+    """Raised by a stage's tick that failed after its state moved (stages/speech.py: the talker
     stepped, then the decode failed): stepping again would step those conversations twice, so
     the engine ends them instead of retrying. `out_of_memory`: the failure was the GPU's memory."""
 

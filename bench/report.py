@@ -54,7 +54,8 @@ def mimi_runtimes_in_log(server_log: Path) -> dict[str, str]:
 
 def server_info(url: str, server_log: Path | None = None) -> dict:
     """What the server says of itself: Triton version, whether it runs both stages in one stub
-    (`one_stub`: the `speech` model of model_repository_one_stub) and in one tick (`one_tick`),
+    (`one_stub`: the `speech` model of model_repository_one_stub, whose one engine's tick steps both:
+    `one_tick`),
     and per stage its config
     parameters (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype), from the
     stage's model or from `speech`. With the server's log at hand, the Mimi runtime is the one
@@ -66,11 +67,11 @@ def server_info(url: str, server_log: Path | None = None) -> dict:
     try:
         one_stub = params_of(client, "speech") if client.is_model_ready("speech") else None
         info = {"triton_version": client.get_server_metadata().version, "one_stub": one_stub is not None,
-                "one_tick": one_stub is not None and one_stub.get("one_tick") == "true"}
+                "one_tick": one_stub is not None}
         for model in ("talker", "code2wav"):
             params = params_of(client, model) if one_stub is None else one_stub
             runtime = params.get("mimi_runtime", "")
-            configured = params.get("decoder_conversations" if one_stub and model == "code2wav" else "max_conversations", "")
+            configured = params.get("code2wav_conversations" if one_stub and model == "code2wav" else "max_conversations", "")
             # auto: what the stage took, where its log is at hand; else unknown (None)
             info[model] = {"max_conversations": slots.get(model, int(configured) if configured.isdigit() else None),
                            "checkpoint": params.get("checkpoint", ""), "device": params.get("device", ""),
@@ -218,7 +219,7 @@ def markdown(result: dict) -> str:
     stages = ("both stages in one Python stub (`speech`, model_repository_one_stub)" if h.get("one_stub")
               else "the stages as two models (model_repository)")
     if h.get("one_tick"):
-        stages += ", stepped in one tick (`one_tick`)"
+        stages += ", stepped in one tick"
     lines = [f"# PersonaPlex on Triton: benchmark of {h['date']}", "",
              f"- Command: `{h['command']}`",
              f"- Bench machine: {m['cpu']}, {m['cores']} cores, {gpus}",

@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "Python stub) instead of model_repository")
     parser.add_argument("--set", action="append", default=[], type=model_configs.setting, metavar="MODEL.KEY=VALUE",
                         help="without --url: a model parameter of the server it starts (on a copy of the model "
-                             "repository), e.g. speech.one_tick=true")
+                             "repository), e.g. speech.prefill_chunk_spacing=1")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
     parser.add_argument("--server-log", type=Path,
                         help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")

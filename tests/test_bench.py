@@ -283,16 +283,17 @@ def test_bench_runs_its_server_with_the_parameters_set_on_a_copy_of_the_reposito
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
 
     assert run._with_parameters(ONE_STUB_REPOSITORY, {}, tmp_path) == ONE_STUB_REPOSITORY
-    settings = dict(run.parse_args(["--one-stub", "--set", "speech.one_tick=false"]).set)
+    settings = dict(run.parse_args(["--one-stub", "--set", "speech.prefill_chunk_spacing=1"]).set)
     copy = run._with_parameters(ONE_STUB_REPOSITORY, settings, tmp_path)
     assert copy.parent == tmp_path and (copy / "speech" / "1" / "model.py").is_file()
     config = (copy / "speech" / "config.pbtxt").read_text()
-    assert '{ key: "one_tick" value: { string_value: "false" } }' in config
+    assert '{ key: "prefill_chunk_spacing" value: { string_value: "1" } }' in config
     # the repository itself keeps its default
-    assert '{ key: "one_tick" value: { string_value: "true" } }' in (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
+    assert '{ key: "prefill_chunk_spacing" value: { string_value: "2" } }' in \
+        (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
     with pytest.raises(SystemExit):
-        run.parse_args(["--set", "speech.one_tick"])
-    assert "--set takes MODEL.KEY=VALUE, got 'speech.one_tick'" in capsys.readouterr().err
+        run.parse_args(["--set", "speech.prefill_chunk_spacing"])
+    assert "--set takes MODEL.KEY=VALUE, got 'speech.prefill_chunk_spacing'" in capsys.readouterr().err
 
 
 @pytest.mark.integration

@@ -352,26 +352,6 @@ def test_a_step_that_cannot_be_repeated_ends_its_conversations_without_a_retry()
         engine.shutdown()
 
 
-def test_with_a_minimum_tick_interval_frames_that_come_apart_share_a_tick():
-    """Conversation 2's frame comes 100 ms after 1's, while 1's next tick may not start yet (the
-    interval is 0.3 s from its last): one tick takes both. Without the interval each goes alone."""
-    for interval, expected in ((0.3, [1, 2]), (0.0, [1, 1, 1])):
-        stage = CountingStage(2)
-        engine = SlotEngine(stage, min_tick_interval_s=interval)
-        try:
-            engine.open(1, None)
-            engine.open(2, None)
-            run(engine, 1, ["warm"])  # the first tick: the interval counts from its start
-            a, b = Collector(), Collector()
-            engine.submit(1, ["x"], a.on_output, a.on_done)
-            time.sleep(0.1)
-            engine.submit(2, ["y"], b.on_output, b.on_done)
-            a.wait(), b.wait()
-            assert stage.batch_sizes == expected
-        finally:
-            engine.shutdown()
-
-
 def test_the_schedulers_tick_model_takes_every_tick_the_stage_ran():
     from personaplex_triton.engine.scheduler import MODEL_MIN_TICKS
 

@@ -3,9 +3,8 @@ conversations through each server in turn, their frames followed through the sta
 
 Each round runs `python -m bench.run --stages load --conversations N --seconds S --trace-dir DIR`
 once on `model_repository` (talker and code2wav, two Python stubs: a frame crosses between
-tritonserver and a stub four times), and twice with `--one-stub` (`speech`: twice): with
-`--set speech.one_tick=false` (an engine a stage, "two engines") and `=true` (one engine's tick
-steps both stages, "one tick"), each starting its own server. Per server, the median over rounds
+tritonserver and a stub four times), and once with `--one-stub` (`speech`: twice; one engine's
+tick steps both stages, "one tick"), each starting its own server. Per server, the median over rounds
 of each segment of a frame's trip (core/trace.py) and of their sum outside the two ticks: what
 Triton, the stubs and the hand-off between the stages add.
 
@@ -15,7 +14,7 @@ frame at once from execute, with no model behind it): what tritonserver, gRPC an
 stub cost a frame whatever the project does, so the rest of "outside the two ticks" is ours.
 
     python -m bench.experiments.crossings --rounds 3 --seconds 30 --name cpu2-intel-xeon
-    python -m bench.experiments.crossings --repositories "two engines" "one tick" --floor --rounds 1 --seconds 20
+    python -m bench.experiments.crossings --repositories "one tick" --floor --rounds 1 --seconds 20
 
 writes bench/results/<date>-<name>-crossings.{md,json,png}.
 """
@@ -41,11 +40,10 @@ FLOOR = "floor"  # the label of the floor's runs
 FLOOR_WARM_FRAMES = 25  # a conversation first, unmeasured: the stub's first sends warm up
 
 # label: bench.run's options, each setting what it compares (a repository's defaults may change)
-REPOSITORIES = {"two stubs": [], "two engines": ["--one-stub", "--set", "speech.one_tick=false"],
-                "one tick": ["--one-stub", "--set", "speech.one_tick=true"]}
+REPOSITORIES = {"two stubs": [], "one tick": ["--one-stub"]}
 SERVERS = {"two stubs": "model_repository (two stubs)",
            "two engines": "model_repository_one_stub with `speech.one_tick=false` (one stub, an engine a stage)",
-           "one tick": "model_repository_one_stub with `speech.one_tick=true` (one stub, one engine: the "
+           "one tick": "model_repository_one_stub (one stub, one engine: the "
                        "talker's tick ends where the decode begins, and nothing waits between them)",
            # before 2026-12-06's one tick: one stub, an engine a stage
            "one stub": "model_repository_one_stub (one stub)"}

@@ -199,6 +199,7 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0, spa
         stage_process: bool = False, kv_dtype: str = "auto", code2wav: bool = False) -> tuple[list[dict], str, dict]:
     from personaplex_triton.core.metrics import Metrics
     from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.serving.parameters import Code2WavConfig, TalkerConfig
     from personaplex_triton.serving.serving import TalkerService
     from personaplex_triton.serving.stage_builds import build_code2wav, open_stage
     from personaplex_triton.stages.talker import TalkerSetup
@@ -206,14 +207,14 @@ def run(checkpoint: str, device: str, max_conversations: str, live: int = 0, spa
     with contextlib.ExitStack() as closing:  # closed in reverse: the ticks' thread, the talker, code2wav
         decoder = None
         if code2wav:  # first, as served: on a GPU it takes its largest tick's memory before the talker sizes its pool
-            decoder = open_stage("code2wav", build_code2wav, dict(checkpoint=checkpoint, max_conversations="auto",
-                                                                  device=device, mimi_runtime="auto"),
-                                 stage_process, Metrics())[0]
+            decoder = open_stage("code2wav", build_code2wav, Code2WavConfig(
+                checkpoint=checkpoint, device=device, stage_process=stage_process).resolved(), Metrics())[0]
             closing.callback(getattr(decoder, "close", lambda: None))
         # No persona cache: every start prefills, the same persona's second start too (the voices
         # are still played once at load, as served, which warms what an empty role prompt runs).
-        service = TalkerService(checkpoint, max_conversations, device=device, persona_cache_size=0,
-                                warm_personas="all", stage_process=stage_process, kv_dtype=kv_dtype)
+        service = TalkerService(TalkerConfig.from_parameters(dict(
+            checkpoint=checkpoint, max_conversations=max_conversations, device=device, persona_cache_size="0",
+            warm_personas="all", stage_process=str(stage_process).lower(), kv_dtype=kv_dtype)))
         closing.callback(service.close)
         voice = service.personas.default_voice
         ticks = LiveTicks(service.talker, service.personas.persona(voice, ""), live, spacing, decoder)

@@ -55,11 +55,13 @@ def with_bundle(checkpoint: str, dim: int, folder: Path) -> str:
 
 def run(checkpoint: str, rounds: int, voice_name: str | None = None) -> dict:
     from personaplex_triton.lm.sampling import SamplingParams
+    from personaplex_triton.serving.parameters import TalkerConfig
     from personaplex_triton.serving.serving import TalkerService
     from personaplex_triton.stages.persona import Persona, VoicePrompt
     from personaplex_triton.stages.talker import TalkerSetup
 
-    service = TalkerService(checkpoint, 2, "cpu", warm_personas="", stage_process=True)
+    service = TalkerService(TalkerConfig(checkpoint=checkpoint, max_conversations=2, device="cpu", warm_personas=(),
+                                         stage_process=True))
     try:
         voice = service.personas.voice(voice_name)
         copy = VoicePrompt(voice.name, voice.embeddings, voice.cache, voice.frames)  # no file: crosses by value

@@ -53,7 +53,7 @@ class Stage(Protocol):
     same start in pieces, which the engine runs one a pass, between ticks (starts.py); as a
     stage in a process of its own has (stage_process.py), `last_tick_cpu_s` (the CPU time its
     last tick took there, for the tick's trace) and `raise_if_dead()` (asked at each heartbeat);
-    and, as a stage of both stages has (stages/speech.py), `last_tick_split` (when its last
+    and, as a stage of both stages has (stages/one_tick.py), `last_tick_split` (when its last
     tick's second part began, for the trace)."""
 
     num_slots: int
@@ -67,14 +67,12 @@ class SlotEngine:
     def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
-                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
-                 piece_spacing_ticks: int = 1, send_threads: int = 1,
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, piece_spacing_ticks: int = 1, send_threads: int = 1,
                  downstream_behind_s: Callable[[], float] | None = None, admit_by_sends: bool = False):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
-        `gather`, `gather_max_s`, `admission_tick_s`, `min_tick_interval_s`,
-        `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
+        `gather`, `gather_max_s`, `admission_tick_s`, `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage
         that these conversations' answers go through are (code2wav's: its `sends_behind_s` in one
         stub, serving/sends_gauge.py's reader in two),
@@ -89,7 +87,7 @@ class SlotEngine:
         self._cond = threading.Condition()
         self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
         self.scheduler = Scheduler(self._table, gather, gather_max_s, admission_tick_s,  # under self._cond
-                                   min_tick_interval_s, piece_spacing_ticks)
+                                   piece_spacing_ticks)
         self._admitting = True
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)

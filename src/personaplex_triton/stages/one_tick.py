@@ -1,7 +1,7 @@
 """Both stages as one stage of the slot engine: a tick steps the talker, then decodes the frames
 it answered.
 
-Chained as two engines (serving/speech.py), a frame's codes leave the talker's tick, are handed
+Chained as two engines (two stubs, model_repository), a frame's codes leave the talker's tick, are handed
 to code2wav's engine, wait for its next tick and, on a GPU, cross into a second process and CUDA
 context, which time-slices the card with the talker's. At 1 conversation on an H100 that was
 about 1 ms of a 15.2 ms frame (docs/gpu-serving-log.md). Here the decode follows the step in the
@@ -27,14 +27,14 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SpeechFrame:
+class OneTickFrame:
     """One slot's answer: the talker's step (codes, text token) and its audio, 1920 samples."""
 
     step: AgentStep
     pcm: np.ndarray
 
 
-class Speech:
+class OneTickStage:
     def __init__(self, talker: Talker, code2wav: Code2Wav):
         self.talker = talker
         self.code2wav = code2wav
@@ -58,11 +58,11 @@ class Speech:
         self.talker.stop(slot)
         self.code2wav.stop(slot)
 
-    def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, SpeechFrame]:
+    def tick(self, user_frames: dict[int, np.ndarray]) -> dict[int, OneTickFrame]:
         steps = self.talker.tick(user_frames)
         self.last_tick_split = time.time()
         pcm = self._decode({slot: CodesFrame(step.codes) for slot, step in steps.items()})
-        return {slot: SpeechFrame(step, pcm[slot]) for slot, step in steps.items()}
+        return {slot: OneTickFrame(step, pcm[slot]) for slot, step in steps.items()}
 
     def _decode(self, frames: dict[int, CodesFrame]) -> dict[int, np.ndarray]:
         """The decode, tried twice as code2wav's own engine would; the engine must not retry the

@@ -1,5 +1,5 @@
-"""Both stages in one process (serving/speech.py): a request's answers gathered from the two
-stages, and the service, in two engines and in one tick, against the stages stepped by hand."""
+"""Both stages in one stub (serving/one_stub.py): one engine's tick steps the talker, then
+decodes its frames; the service's answers against the stages stepped by hand."""
 
 import threading
 
@@ -7,75 +7,25 @@ import numpy as np
 import pytest
 
 from personaplex_triton.core import audio, contract
-from personaplex_triton.serving.speech import RequestAnswers, SpeechService
+from personaplex_triton.serving.one_stub import OneStubService
+from personaplex_triton.serving.parameters import SpeechConfig
 
 
-class Client:
-    """What a request's send and finish were called with, in order."""
-
-    def __init__(self):
-        self.calls = []
-        self.done = threading.Event()
-
-    def send(self, outputs, last):
-        assert not self.done.is_set(), "a send after the request finished"
-        self.calls.append(("audio", outputs["n"], last))
-
-    def finish(self, error):
-        assert not self.done.is_set(), "finished twice"
-        self.calls.append(("finish", error))
-        self.done.set()
-
-
-def test_the_request_finishes_once_code2wav_has_answered_every_frame():
-    client = Client()
-    answers = RequestAnswers(client.send, client.finish)
-    assert answers.frame_to_code2wav() and answers.frame_to_code2wav()
-    answers.talker_done(None)  # the talker is done before code2wav has answered
-    assert not client.done.is_set()
-    answers.audio({"n": 0}, False)
-    answers.code2wav_done(None)
-    answers.audio({"n": 1}, True)
-    assert not client.done.is_set()
-    answers.code2wav_done(None)
-    assert client.calls == [("audio", 0, False), ("audio", 1, True), ("finish", None)]
-
-
-def test_a_talker_error_comes_after_the_audio_of_the_frames_before_it():
-    client = Client()
-    answers = RequestAnswers(client.send, client.finish)
-    assert answers.frame_to_code2wav()
-    answers.talker_done("conversation 5: the step failed")
-    answers.audio({"n": 0}, False)
-    answers.code2wav_done(None)
-    assert client.calls == [("audio", 0, False), ("finish", "conversation 5: the step failed")]
-
-
-def test_a_code2wav_error_ends_the_request_once_and_drops_the_frames_after_it():
-    client = Client()
-    answers = RequestAnswers(client.send, client.finish)
-    assert answers.frame_to_code2wav() and answers.frame_to_code2wav()
-    answers.code2wav_done("frame 3 of conversation 5 was lost")
-    assert client.calls == [("finish", "code2wav: frame 3 of conversation 5 was lost")]  # before the talker is done
-    answers.audio({"n": 1}, False)         # the other frame's audio: dropped
-    answers.code2wav_done(None)
-    assert not answers.frame_to_code2wav()  # the talker's later frames are not sent on
-    answers.talker_done(None)
-    assert len(client.calls) == 1
+def config(checkpoint, **values) -> SpeechConfig:
+    return SpeechConfig(**{"checkpoint": str(checkpoint), "max_conversations": 2, "code2wav_conversations": 4,
+                           "device": "cpu", "warm_personas": (), **values})
 
 
 @pytest.fixture(scope="module")
-def speech(tiny_checkpoint):
-    service = SpeechService(str(tiny_checkpoint), max_conversations=2, decoder_conversations=4, warm_personas="",
-                            start_piece_spacing=3, one_tick=False)
+def one_stub(tiny_checkpoint):
+    service = OneStubService(config(tiny_checkpoint, prefill_chunk_spacing=3))
     yield service
     service.close()
 
 
-def test_the_talkers_starts_are_spaced_as_configured(speech):
-    """`start_piece_spacing` reaches the talker's scheduler; code2wav starts in one piece."""
-    assert speech.talker.engine.scheduler.piece_spacing_ticks == 3
-    assert speech.code2wav.engine.scheduler.piece_spacing_ticks == 1
+def test_the_prefill_chunks_are_spaced_as_configured(one_stub):
+    """`prefill_chunk_spacing` reaches the one engine's scheduler."""
+    assert one_stub.engine.scheduler.piece_spacing_ticks == 3
 
 
 def converse(service, conversation, pcm, arrays, frames_a_request=3):
@@ -97,23 +47,20 @@ def converse(service, conversation, pcm, arrays, frames_a_request=3):
     return np.concatenate(pieces), texts, errors
 
 
-@pytest.mark.parametrize("service", ["speech", "one_tick"])
-def test_the_service_answers_what_the_stages_compute(service, request):
-    """Every frame, in order, is what the talker and code2wav give when stepped by hand: with two
-    engines, and in one tick (`one_tick`: one engine whose tick steps the talker, then decodes)."""
+def test_the_service_answers_what_the_stages_compute(one_stub):
+    """Every frame, in order, is what the talker and code2wav give when stepped by hand."""
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.stages.code2wav import CodesFrame
     from personaplex_triton.stages.talker import TalkerSetup
 
-    service = request.getfixturevalue(service)
+    service = one_stub
     pcm = np.random.default_rng(3).uniform(-0.3, 0.3, 7 * contract.FRAME_SAMPLES).astype(np.float32)
     arrays = {contract.VOICE: np.array([b"NATF0"], np.object_), contract.SEED: np.array([42], np.int64)}
     got_audio, got_text, errors = converse(service, 5, pcm, arrays)
     assert errors == [None, None, None] and len(got_text) == 7
 
-    stage = service.talker.talker
-    talker, decoder = (stage.talker, stage.code2wav) if service.one_tick else (stage, service.code2wav.decoder)
-    talker.start(0, TalkerSetup(service.talker.personas.persona("NATF0", ""), SamplingParams(seed=42)))
+    talker, decoder = service.talker.talker, service.talker.code2wav  # the one stage's two
+    talker.start(0, TalkerSetup(service.personas.persona("NATF0", ""), SamplingParams(seed=42)))
     decoder.start(0)
     expected_audio, expected_text = [], []
     try:
@@ -127,39 +74,32 @@ def test_the_service_answers_what_the_stages_compute(service, request):
     np.testing.assert_allclose(got_audio, np.concatenate(expected_audio), atol=1e-5)
 
 
-def test_a_bad_request_gets_its_error_and_no_audio(speech):
+def test_a_bad_request_gets_its_error_and_no_audio(one_stub):
     errors, sent = [], []
-    speech.handle(6, True, True, {contract.AUDIO_IN: np.zeros(100, np.float32)},
+    one_stub.handle(6, True, True, {contract.AUDIO_IN: np.zeros(100, np.float32)},
                   lambda outputs, last: sent.append(last), errors.append)
     assert sent == [] and len(errors) == 1 and "whole number of 1920-sample frames" in errors[0]
-    speech.handle(7, False, True, {contract.AUDIO_IN: np.zeros(contract.FRAME_SAMPLES, np.float32)},
+    one_stub.handle(7, False, True, {contract.AUDIO_IN: np.zeros(contract.FRAME_SAMPLES, np.float32)},
                   lambda outputs, last: sent.append(last), errors.append)
     assert sent == [] and "conversation 7 is not open" in errors[1]
 
 
-@pytest.fixture(scope="module")
-def one_tick(tiny_checkpoint):
-    service = SpeechService(str(tiny_checkpoint), max_conversations=2, decoder_conversations=4, warm_personas="",
-                            one_tick=True)
-    yield service
-    service.close()
+def test_the_one_engines_pool_is_the_smaller_stages(one_stub):
+    assert one_stub.engine.stage.num_slots == 2  # the talker's 2, not code2wav's 4
+    assert one_stub.info.slots == 2 and one_stub.code2wav_info.slots == 4
 
 
-def test_one_tick_has_one_engine_whose_pool_is_the_smaller_stages(one_tick):
-    assert one_tick.code2wav is None and one_tick.talker.engine.stage.num_slots == 2  # the talker's 2, not code2wav's 4
-
-
-def test_one_tick_ends_a_conversation_with_an_empty_end_request(one_tick):
+def test_an_empty_end_request_ends_a_conversation(one_stub):
     """An end request without frames finishes after the frames before it, with no response of
     its own (no later stage to tell), and frees the conversation's slot: more conversations
     than the pool's 2 start one after another."""
     for conversation in (11, 12, 13):
         calls, done = [], threading.Event()
-        one_tick.handle(conversation, True, False, {contract.AUDIO_IN: np.zeros(2 * contract.FRAME_SAMPLES, np.float32),
-                                                    contract.VOICE: np.array([b"NATF0"], np.object_)},
+        one_stub.handle(conversation, True, False, {contract.AUDIO_IN: np.zeros(2 * contract.FRAME_SAMPLES, np.float32),
+                                                     contract.VOICE: np.array([b"NATF0"], np.object_)},
                         lambda outputs, last: calls.append(("audio", outputs[contract.AUDIO_OUT].shape, last)),
                         lambda error: calls.append(("finish", error)))
-        one_tick.handle(conversation, False, True, {contract.AUDIO_IN: np.zeros(0, np.float32)},
+        one_stub.handle(conversation, False, True, {contract.AUDIO_IN: np.zeros(0, np.float32)},
                         lambda outputs, last: calls.append(("end audio", last)),
                         lambda error: (calls.append(("end", error)), done.set()))
         assert done.wait(60)
@@ -167,7 +107,7 @@ def test_one_tick_ends_a_conversation_with_an_empty_end_request(one_tick):
                          ("finish", None), ("end", None)]
 
 
-def test_one_tick_in_a_process_of_its_own_traces_both_stages(tiny_checkpoint, tmp_path, monkeypatch):
+def test_in_a_process_of_its_own_the_trace_reads_as_both_stages(tiny_checkpoint, tmp_path, monkeypatch):
     """With `stage_process`, both stages tick in one child process; the frame trace reads as the
     two stages' (core/trace.py): the talker's tick up to the split, code2wav's after it, in
     order, for every frame answered."""
@@ -183,8 +123,8 @@ def test_one_tick_in_a_process_of_its_own_traces_both_stages(tiny_checkpoint, tm
 
     monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path))
     code2wav_metrics = Heartbeats()
-    service = SpeechService(str(tiny_checkpoint), max_conversations=2, warm_personas="", one_tick=True,
-                            stage_process=True, code2wav_metrics=code2wav_metrics)
+    service = OneStubService(SpeechConfig(checkpoint=str(tiny_checkpoint), max_conversations=2, device="cpu",
+                                          warm_personas=(), stage_process=True), code2wav_metrics=code2wav_metrics)
     try:
         pcm = np.random.default_rng(5).uniform(-0.3, 0.3, 4 * contract.FRAME_SAMPLES).astype(np.float32)
         _, texts, errors = converse(service, 8, pcm, {contract.VOICE: np.array([b"NATF0"], np.object_)})
@@ -202,25 +142,18 @@ def test_one_tick_in_a_process_of_its_own_traces_both_stages(tiny_checkpoint, tm
     assert code2wav_metrics.up[0] is True and code2wav_metrics.up[-1] is False  # the engine's heartbeat, then its end
 
 
-def test_the_one_tick_parameter_is_true_or_false():
-    from personaplex_triton.serving.stage_builds import one_tick
-
-    assert one_tick({}) is True and one_tick({"one_tick": " False "}) is False
-    with pytest.raises(ValueError, match='one_tick must be "true" or "false", got \'yes\''):
-        one_tick({"one_tick": "yes"})
-
-
 def test_a_failed_decode_is_tried_again_and_never_steps_the_talker_twice(tiny_checkpoint):
     """A decode that fails once is tried again within the tick; one that fails twice raises
     StepNotRepeatable, so the engine ends the conversations rather than step the talker again."""
     from personaplex_triton.core import loaders
     from personaplex_triton.core.faults import StepNotRepeatable
     from personaplex_triton.lm.sampling import SamplingParams
-    from personaplex_triton.serving.stage_builds import build_speech
+    from personaplex_triton.serving.stage_builds import build_one_tick
     from personaplex_triton.stages.persona import PersonaLibrary
     from personaplex_triton.stages.talker import TalkerSetup
 
-    stage, _ = build_speech(str(tiny_checkpoint), 2, 2, "cpu", 0, "auto", "", "auto", "auto", emit=lambda *_: None)
+    stage, _ = build_one_tick(config(tiny_checkpoint, code2wav_conversations=2, persona_cache_size=0).resolved(),
+                              emit=lambda *_: None)
     calls = {"talker": 0, "decode": 0}
     step, decode = stage.talker.tick, stage.code2wav.tick
     failures = []

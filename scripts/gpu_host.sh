@@ -189,8 +189,11 @@ gpu_tests() {
     environment
     need_scipy  # the server tests make checkpoints of their own
     # Apart: memory the library tests leave in the pytest process would shrink the served pool.
-    python -m pytest -q -rs tests/test_gpu_server.py
-    python -m pytest -q -rs tests/test_gpu.py
+    # Both files run whatever the first gives; the exit status is the worse of the two.
+    local served=0 library=0
+    python -m pytest -q -rs tests/test_gpu_server.py || served=$?
+    python -m pytest -q -rs tests/test_gpu.py || library=$?
+    return $(( served > library ? served : library ))
 }
 
 bench() {

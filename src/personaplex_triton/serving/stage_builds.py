@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..core import loaders
+from ..core import gpu_waits, loaders
 from .parameters import Code2WavConfig, SpeechConfig, StageConfig, TalkerConfig
 
 Emit = Callable[..., None]
@@ -29,11 +29,13 @@ class StageInfo:
 def use_device_threads(device: str) -> None:
     """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
     On a GPU, how long a thread that wants the GIL waits for another to give it up
-    (loaders.GPU_GIL_SWITCH_S: why)."""
+    (loaders.GPU_GIL_SWITCH_S: why), and threads that wait for the GPU sleep instead of
+    spinning a core (core/gpu_waits.py)."""
     import torch
 
     if device.startswith("cuda"):
         sys.setswitchinterval(loaders.GPU_GIL_SWITCH_S)
+        gpu_waits.sleep_while_gpu_works(device)
     else:
         torch.set_num_threads(loaders.CPU_TORCH_THREADS)
 

@@ -4,10 +4,11 @@ imports this module from tests/, which the tests put on its PYTHONPATH."""
 import os
 
 from personaplex_triton.core.faults import SlotFault
+from personaplex_triton.engine.stage import Stage
 from personaplex_triton.engine.starts import StartJob
 
 
-class EchoStage:
+class EchoStage(Stage):
     """Each slot answers item x with (x, its process id, how many items it has seen). A tick
     with the item "fault" fails naming its slot; "exit" ends the process, as a crash would.
     A start's setup "pieces" starts in three pieces; a setup "bad" cannot start. A tick with

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from personaplex_triton.engine.engine import ConversationError, SlotEngine
+from personaplex_triton.engine.stage import Stage
 from personaplex_triton.engine.starts import StartJob
 from polling import wait_for
 
 
-class CountingStage:
+class CountingStage(Stage):
     """Each slot answers item x with (x, how many items the slot has seen). A start with the
     setup "held" lasts until `release` is set (`holding` says one has begun), as the talker's
     start lasts its persona's prefill: what is submitted meanwhile queues up. Each tick sleeps

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from ..core import metrics as reasons
 from ..core.faults import FaultPlan
@@ -39,6 +39,7 @@ from .conversations import Conversation, ConversationError, ConversationTable, R
 from .engine_loop import EngineLoop
 from .outbox import Outbox
 from .scheduler import Scheduler
+from .stage import Stage
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -46,21 +47,6 @@ log = logging.getLogger(__name__)
 __all__ = ["ConversationError", "SlotEngine", "Stage"]
 
 SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long before they get an error
-
-
-class Stage(Protocol):
-    """What the engine drives. A stage may also have `begin_starts(setups) -> StartJob`: the
-    same start in pieces, which the engine runs one a pass, between ticks (starts.py); as a
-    stage in a process of its own has (stage_process.py), `last_tick_cpu_s` (the CPU time its
-    last tick took there, for the tick's trace) and `raise_if_dead()` (asked at each heartbeat);
-    and, as a stage of both stages has (stages/speech.py), `last_tick_split` (when its last
-    tick's second part began, for the trace)."""
-
-    num_slots: int
-
-    def start_many(self, setups: dict[int, Any]) -> dict[int, Exception]: ...  # slot -> why it could not start
-    def stop(self, slot: int) -> None: ...
-    def tick(self, items: dict[int, Any]) -> dict[int, Any]: ...
 
 
 class SlotEngine:

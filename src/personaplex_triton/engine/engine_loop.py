@@ -24,8 +24,9 @@ from .answers import finish
 from .conversations import Conversation, ConversationTable
 from .outbox import Outbox
 from .scheduler import SENDS_BEHIND_LIMIT_S, Scheduler
+from .stage import Stage
 from .stage_process import StageProcessDied
-from .starts import StartJob, begin_starts
+from .starts import StartJob
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class _Start:
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, name: str, stage, lock: threading.Condition, table: ConversationTable,
+    def __init__(self, name: str, stage: Stage, lock: threading.Condition, table: ConversationTable,
                  scheduler: Scheduler, ticker: Ticker, outbox: Outbox, fail: Callable[[Conversation, str, str], None],
                  stop_all: Callable[[str, str], None], metrics: Metrics, idle_timeout_s: float | None):
         """`stage`, `lock` (over `table` and `running`), `fail(conversation, message, reason)`,
@@ -127,7 +128,7 @@ class EngineLoop(threading.Thread):
         if now - self._last_beat >= HEARTBEAT_S / 2:
             self._last_beat = now
             # a stage in a process of its own that died while idle: the engine stops (run)
-            getattr(self.stage, "raise_if_dead", lambda: None)()
+            self.stage.raise_if_dead()
             self.metrics.alive(True)
             behind = self._outbox.behind_s()
             self.metrics.sends_behind(behind)
@@ -166,7 +167,7 @@ class EngineLoop(threading.Thread):
         reset of the model for all): in pieces where the stage has `begin_starts`, else at once."""
         # Beginning does no work (a job's pieces run in `_advance_starts`, which takes their failures).
         began = time.perf_counter()
-        job = begin_starts(self.stage, {conv.slot: conv.setup for conv in starting})
+        job = self.stage.begin_starts({conv.slot: conv.setup for conv in starting})
         self._starts.append(_Start(starting, job, began, time.perf_counter() - began))
 
     def _piece_due(self) -> bool:

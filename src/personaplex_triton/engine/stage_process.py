@@ -5,7 +5,7 @@ result) shares one GIL with the stub's request and send threads. At 64 conversat
 H200 the tick spent 3.9 ms of its 17.4 (p50) off the CPU waiting for the GIL, and with 4 send
 threads 8.4 ms (docs/gpu-serving-log.md). As vLLM runs its engine core apart from its API server,
 `StageProcess` runs the stage (the model, its state, its CUDA context) in a child Python
-process, and is the engine's stage (engine.Stage) in the stub: the scheduler, the conversations
+process, and is the engine's stage (stage.Stage) in the stub: the scheduler, the conversations
 and the sends stay in the stub, and a tick is one round trip through a pipe (the frames in,
 the answers out, pickled). The stub then never touches the GPU.
 
@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any, Callable
 
-from .starts import begin_starts
+from .stage import Stage
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class RemoteStartJob:
         return done
 
 
-class StageProcess:
+class StageProcess(Stage):
     def __init__(self, name: str, build: Callable[..., tuple[Any, Any]], options: dict,
                  on_event: Callable[..., None] = lambda name, *args: None):
         """Start a child that runs `build(**options, emit=...)` -> (stage, info), a module-level
@@ -249,12 +249,12 @@ def serve(conn: Connection, name: str = "stage") -> None:
             elif op == "tick":
                 cpu = time.thread_time()
                 outputs = stage.tick(*args)
-                value = (outputs, time.thread_time() - cpu, getattr(stage, "last_tick_split", None))
+                value = (outputs, time.thread_time() - cpu, stage.last_tick_split)
             elif op == "start_many":
                 value = stage.start_many(*args)
             elif op == "begin_starts":
                 value = next(job_ids)
-                jobs[value] = begin_starts(stage, *args)
+                jobs[value] = stage.begin_starts(*args)
             elif op == "advance":
                 job = jobs[args[0]]
                 done = job.advance()
@@ -262,7 +262,7 @@ def serve(conn: Connection, name: str = "stage") -> None:
                     del jobs[args[0]]
                 value = (done, {slot: _portable(exc) for slot, exc in job.failed.items()})
             elif op == "close":
-                getattr(stage, "close", lambda: None)()
+                stage.close()
                 answer(True, None)
                 break
             else:

@@ -36,9 +36,3 @@ class StartJob:
         except StopIteration:
             return True
         return False
-
-
-def begin_starts(stage, setups: dict[int, Any]) -> StartJob:
-    """The start of `setups` on `stage`: in pieces where it has `begin_starts`, else at once."""
-    begin = getattr(stage, "begin_starts", None)
-    return begin(setups) if begin is not None else StartJob.at_once(stage.start_many, setups)

@@ -362,5 +362,5 @@ class Code2WavService:
 
     def close(self) -> None:
         self.engine.shutdown()
-        getattr(self.decoder, "close", lambda: None)()
+        self.decoder.close()
         self.metrics.close()

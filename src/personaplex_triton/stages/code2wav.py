@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..engine.stage import Stage
 from ..mimi.runtime import StepRunner
 from ..mimi.stream import MimiSlots
 
@@ -24,7 +25,7 @@ def tick_group(frame: CodesFrame) -> tuple[int, int] | None:
     return frame.tick
 
 
-class Code2Wav:
+class Code2Wav(Stage):
     """A `Stage` of the slot engine: agent codes [8] in, 1920 PCM samples out, per slot."""
 
     def __init__(self, decoder: StepRunner, num_slots: int):

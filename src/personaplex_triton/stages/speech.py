@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..core.faults import StepNotRepeatable
+from ..engine.stage import Stage
 from ..engine.starts import StartJob
 from .code2wav import Code2Wav, CodesFrame
 from .talker import AgentStep, Talker, TalkerSetup
@@ -34,7 +35,7 @@ class SpeechFrame:
     pcm: np.ndarray
 
 
-class Speech:
+class Speech(Stage):
     def __init__(self, talker: Talker, code2wav: Code2Wav):
         self.talker = talker
         self.code2wav = code2wav

@@ -26,6 +26,7 @@ import torch
 from ..core import loaders
 from ..core.buckets import bucket_for
 from ..core.faults import SlotFault
+from ..engine.stage import Stage
 from ..engine.starts import Failed, StartJob
 from ..lm import kv_cache
 from ..lm.generation import SlotGenerator
@@ -132,7 +133,7 @@ class PersonaCache:
         return len(self._snapshots)
 
 
-class Talker:
+class Talker(Stage):
     def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
                  cuda_graphs: bool = True, ring_attention: bool = True, kv_dtype: torch.dtype | None = None,
                  encode_after: bool = True):

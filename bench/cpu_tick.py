@@ -48,7 +48,7 @@ class TickClock:
         self.talker = talker.Talker(lm, mimi_runtime.open_step("encoder", files, "auto", "cpu"), tokenizer, 1, 1)
         setup = talker.TalkerSetup(persona.PersonaLibrary(files, tokenizer).persona(workload.PERSONA.voice, workload.PERSONA.text_prompt),
                                    sampling.SamplingParams(seed=1))
-        self.talker.start(0, setup)
+        self.talker.prefill(0, setup)
         self.ticks: list[dict] = []
         self._part: dict[str, float] = {}
         generator = self.talker.generator

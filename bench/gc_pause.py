@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                     args.conversations)
     persona = PersonaLibrary(files, tokenizer).persona(workload.PERSONA.voice, workload.PERSONA.text_prompt)
     for slot in range(args.conversations):
-        talker.start(slot, TalkerSetup(persona, SamplingParams(seed=slot)))
+        talker.prefill(slot, TalkerSetup(persona, SamplingParams(seed=slot)))
     phases = {PHASES[0]: phase(talker, args.conversations, args.seconds)}
     freeze_loaded()
     phases[PHASES[1]] = phase(talker, args.conversations, args.seconds)

@@ -414,7 +414,7 @@ def add_starts(row: dict, server_log: Path, go: float, end: float, talker_record
     (serving.starts_in_log): how many, the longest piece of each (what the live conversations'
     frames waited for it) and each whole start, p50 and max (ms); and each start of more than one
     piece (a prefill) on its own: when it ended (s from `go`), the whole, its pieces (each as the
-    engine's loop waited for it, and its `begin_starts` before them, where the log has them), and, from
+    engine's loop waited for it, and its `begin_prefills` before them, where the log has them), and, from
     the talker's frame records where there are any, its ticks and the gaps between them
     (ticks.during)."""
     logged = starts_in_log(Path(server_log).read_text(errors="replace"), time.localtime(go).tm_year)

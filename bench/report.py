@@ -420,7 +420,7 @@ def _each_prefill_table(started: list[dict]) -> list[str]:
     if not levels:
         return []
     lines = ["Each prefill on its own: when it ended (s into the level), the whole and its pieces from the "
-             "log (each piece as the engine's loop waited for it, after `begin_starts`, a round trip to the "
+             "log (each piece as the engine's loop waited for it, after `begin_prefills`, a round trip to the "
              "talker's process where it has one); from the talker's trace, the gaps over 1 ms between its ticks "
              "(a piece it waited for, or no frame waiting) and "
              "its ticks from the one before the start to the one after (a piece whose GPU work it did not "

@@ -461,7 +461,7 @@ def test_persona_start_compares_two_trees_and_a_prefill_costs_more_than_the_cach
     result = json.loads(next(tmp_path.glob("*-starts.json")).read_text())
     assert list(result["trees"]) == [f"base ({report.REPO_ROOT})", "this tree"]
     for tree in result["trees"].values():
-        assert all(len(ms) == 2 for ms in tree["ms"].values())  # every kind: both trees have start_many
+        assert all(len(ms) == 2 for ms in tree["ms"].values())  # every kind: both trees have prefill_many
         assert tree["median_ms"]["new persona"] > 2 * tree["median_ms"]["cached persona"]
         calls = tree["calls"]  # one tree, loaded twice: the same calls; a start of 3 makes more than one of 1
         assert calls == next(iter(result["trees"].values()))["calls"]

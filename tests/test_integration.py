@@ -55,8 +55,8 @@ def in_process(server, tiny_checkpoint):
     library = PersonaLibrary(files, tokenizer)
 
     def run(pcm, voice, prompt, seed):
-        talker.start(0, TalkerSetup(library.persona(voice, prompt), SamplingParams(seed=seed)))
-        decoder.start(0)
+        talker.prefill(0, TalkerSetup(library.persona(voice, prompt), SamplingParams(seed=seed)))
+        decoder.prefill(0)
         frames = audio.split_frames(pcm)
         out, text = [], []
         while len(out) < len(frames):

@@ -201,7 +201,7 @@ def test_taking_the_largest_tick_leaves_every_slot_fresh(files):
     codes = np.random.default_rng(5).integers(0, seam.CODEBOOK_SIZE, (3, 8))
 
     def decoded(decoder):
-        decoder.start_many({1: None})
+        decoder.prefill_many({1: None})
         return np.stack([decoder.tick({1: CodesFrame(c)})[1] for c in codes])
 
     fresh = decoded(Code2Wav(open_step("decoder", files), 3))

@@ -73,9 +73,9 @@ def speech(tiny_checkpoint):
 
 
 def test_the_talkers_starts_are_spaced_as_configured(speech):
-    """`start_piece_spacing` reaches the talker's scheduler; code2wav starts in one piece."""
-    assert speech.talker.engine.scheduler.piece_spacing_ticks == 3
-    assert speech.code2wav.engine.scheduler.piece_spacing_ticks == 1
+    """`start_piece_spacing` reaches the talker's scheduler; code2wav prefills in one chunk."""
+    assert speech.talker.engine.scheduler.chunk_spacing_ticks == 3
+    assert speech.code2wav.engine.scheduler.chunk_spacing_ticks == 1
 
 
 def converse(service, conversation, pcm, arrays, frames_a_request=3):
@@ -113,8 +113,8 @@ def test_the_service_answers_what_the_stages_compute(service, request):
 
     stage = service.talker.talker
     talker, decoder = (stage.talker, stage.code2wav) if service.one_tick else (stage, service.code2wav.decoder)
-    talker.start(0, TalkerSetup(service.talker.personas.persona("NATF0", ""), SamplingParams(seed=42)))
-    decoder.start(0)
+    talker.prefill(0, TalkerSetup(service.talker.personas.persona("NATF0", ""), SamplingParams(seed=42)))
+    decoder.prefill(0)
     expected_audio, expected_text = [], []
     try:
         for frame in audio.split_frames(pcm):
@@ -239,7 +239,7 @@ def test_a_failed_decode_is_tried_again_and_never_steps_the_talker_twice(tiny_ch
     try:
         persona = PersonaLibrary(loaders.resolve_checkpoint(str(tiny_checkpoint)), stage.talker.tokenizer).persona(
             "NATF0", "")
-        assert stage.start_many({0: TalkerSetup(persona, SamplingParams(seed=1))}) == {}
+        assert stage.prefill_many({0: TalkerSetup(persona, SamplingParams(seed=1))}) == {}
         frame = np.zeros(contract.FRAME_SAMPLES, np.float32)
         failures[:] = [RuntimeError("once")]
         out = stage.tick({0: frame})

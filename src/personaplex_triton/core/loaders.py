@@ -107,7 +107,7 @@ GPU_ADMISSION_TICK_S = 0.032
 # Ticks between two pieces of a talker's start while live frames wait (engine/scheduler.py: with
 # one, the tick between two pieces is a catch-up tick, and the frames that come during it wait
 # for it, a piece and the next; bench/start_cost_model.py).
-START_PIECE_SPACING_TICKS = 2
+PREFILL_CHUNK_SPACING_TICKS = 2
 # A tick's thread gives up the GIL while it waits for the GPU; the stub's send and request
 # threads take it, and Python makes a thread that wants it back wait up to the switch interval
 # (5 ms by default) for the holder to let go, at each of the tick's waits.

@@ -5,7 +5,7 @@ batched step. `SlotEngine` is what request threads call; they only queue work (`
 returns at once). Its parts, as in vLLM's engine: ConversationTable (conversations.py) maps
 conversations to slots and queues each request's items; the scheduler (scheduler.py) decides
 what each tick carries and when it starts, and admits conversations by time; the loop
-(engine_loop.py) frees, starts and ticks on the engine's thread; the tick (ticker.py) steps
+(engine_loop.py) frees, prefills and ticks on the engine's thread; the tick (ticker.py) steps
 the stage; answers go back through each request's callbacks, in order,
 from the outbox thread (outbox.py, answers.py), so the next tick need not wait for the sends.
 `send_threads` gives the outbox lanes, each sending its own conversations' answers (the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .starts import Failed, StartJob
+from .prefills import Failed, PrefillJob
 
 
 class Stage:
@@ -18,18 +18,18 @@ class Stage:
     # the tick has one part.
     last_tick_split: float | None = None
 
-    def start_many(self, setups: dict[int, Any]) -> Failed:
-        """Set up these slots for new conversations, together; returns those that could not
-        start, with why."""
+    def prefill_many(self, setups: dict[int, Any]) -> Failed:
+        """Prefill these slots for new conversations, together (setting each up in full);
+        returns those that could not be prefilled, with why."""
         raise NotImplementedError
 
-    def begin_starts(self, setups: dict[int, Any]) -> StartJob:
-        """The same start in pieces, which the engine runs one a pass, between ticks (starts.py);
-        by default one piece."""
-        return StartJob.at_once(self.start_many, setups)
+    def begin_prefills(self, setups: dict[int, Any]) -> PrefillJob:
+        """The same prefill in chunks, which the engine runs one a pass, between ticks
+        (prefills.py); by default one chunk."""
+        return PrefillJob.at_once(self.prefill_many, setups)
 
     def stop(self, slot: int) -> None:
-        """The slot's conversation ended; the next start sets the slot up afresh."""
+        """The slot's conversation ended; the next prefill sets the slot up afresh."""
         raise NotImplementedError
 
     def tick(self, items: dict[int, Any]) -> dict[int, Any]:

@@ -148,7 +148,7 @@ def starts_in_log(text: str, year: int) -> list[dict]:
     year), in order: when it ended (`at`, seconds since the epoch, the server's local time),
     `stage`, `conversations`, `ms` (the whole start), `pieces`, `longest_ms` (the longest piece:
     what the live conversations' frames waited for it), and, where the line has them (since
-    2026-12-06), `begin_ms` (`begin_starts`: a round trip to a stage's own process) and
+    2026-12-06), `begin_ms` (`begin_prefills`: a round trip to a stage's own process) and
     `pieces_ms` (each piece as the engine's loop waited for it); else None."""
     starts = []
     for month, day, hour, minute, second, stage, n, ms, pieces, longest, begun, each in _STARTED_IN_LOG.findall(text):
@@ -189,7 +189,7 @@ class TalkerService:
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
                  warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
                  min_tick_interval_ms: float = 0.0, send_threads: int = 1, stage_process: bool = False,
-                 start_piece_spacing: int = loaders.START_PIECE_SPACING_TICKS, metrics: Metrics | None = None,
+                 start_piece_spacing: int = loaders.PREFILL_CHUNK_SPACING_TICKS, metrics: Metrics | None = None,
                  downstream_behind_s: Callable[[], float] | None = None):
         from ..stages.persona import PersonaLibrary
 

@@ -63,7 +63,7 @@ def talker_options(params: dict[str, str]) -> dict:
     return dict(persona_cache_size=int(params["persona_cache_size"]), warm_personas=params.get("warm_personas", ""),
                 dtype=params.get("dtype", "auto"), kv_dtype=params.get("kv_dtype", "auto"),
                 min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")),
-                start_piece_spacing=int(params.get("start_piece_spacing", loaders.START_PIECE_SPACING_TICKS)))
+                start_piece_spacing=int(params.get("start_piece_spacing", loaders.PREFILL_CHUNK_SPACING_TICKS)))
 
 
 def use_device_threads(device: str) -> None:
@@ -117,7 +117,7 @@ def build_talker(checkpoint: str, max_conversations: int | str, device: str, per
     warmed = names[:talker.persona_cache.capacity]
     personas = PersonaLibrary(files, tokenizer, only=warmed)  # the requests' library is the service's
     for name in warmed:
-        talker.start(0, TalkerSetup(personas.persona(name, ""), SamplingParams()))
+        talker.prefill(0, TalkerSetup(personas.persona(name, ""), SamplingParams()))
         talker.stop(0)
     talker.persona_cache.on_lookup = lambda hit: emit("persona_cache_lookup", hit)  # after warming: clients' only
     return talker, StageInfo(slots, why, mimi.describe(), warmed)

@@ -32,16 +32,16 @@ class Code2Wav(Stage):
         self.num_slots = num_slots
         self.mimi = MimiSlots(decoder, num_slots)
 
-    def start(self, slot: int, setup=None) -> None:
-        self.start_many({slot: setup})
+    def prefill(self, slot: int, setup=None) -> None:
+        self.prefill_many({slot: setup})
 
-    def start_many(self, setups: dict) -> dict[int, Exception]:
+    def prefill_many(self, setups: dict) -> dict[int, Exception]:
         """Fresh decoder streams for these slots, in one reset; none can fail."""
         self.mimi.reset(list(setups))
         return {}
 
     def stop(self, slot: int) -> None:
-        pass  # the next start resets the row
+        pass  # the next prefill resets the row
 
     def take_largest_tick(self) -> None:
         """Decode one frame in every slot, then reset them all: the memory of the largest tick

@@ -19,7 +19,7 @@ import torch
 
 from ..core.faults import StepNotRepeatable
 from ..engine.stage import Stage
-from ..engine.starts import StartJob
+from ..engine.prefills import PrefillJob
 from .code2wav import Code2Wav, CodesFrame
 from .talker import AgentStep, Talker, TalkerSetup
 
@@ -44,16 +44,16 @@ class Speech(Stage):
         # frame trace: the tick's two parts are the two stages' ticks (core/trace.py).
         self.last_tick_split: float | None = None
 
-    def start_many(self, setups: dict[int, TalkerSetup]) -> dict[int, Exception]:
-        failed = self.talker.start_many(setups)
-        self.code2wav.start_many({slot: None for slot in setups if slot not in failed})
+    def prefill_many(self, setups: dict[int, TalkerSetup]) -> dict[int, Exception]:
+        failed = self.talker.prefill_many(setups)
+        self.code2wav.prefill_many({slot: None for slot in setups if slot not in failed})
         return failed
 
-    def begin_starts(self, setups: dict[int, TalkerSetup]) -> StartJob:
-        """The talker's start in pieces; the decoder's streams are reset at once (one reset, no
-        model pass), as a slot that fails to start is never ticked."""
-        self.code2wav.start_many({slot: None for slot in setups})
-        return self.talker.begin_starts(setups)
+    def begin_prefills(self, setups: dict[int, TalkerSetup]) -> PrefillJob:
+        """The talker's prefill in chunks; the decoder's streams are reset at once (one reset,
+        no model pass), as a slot that fails its prefill is never ticked."""
+        self.code2wav.prefill_many({slot: None for slot in setups})
+        return self.talker.begin_prefills(setups)
 
     def stop(self, slot: int) -> None:
         self.talker.stop(slot)

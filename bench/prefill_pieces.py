@@ -250,18 +250,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --live: a code2wav decoding each live tick's answers beside what follows, as "
                              "served (in a process of its own with --stage-process)")
     parser.add_argument("--spacing", type=int, default=None,
-                        help="their ticks before each piece (default: the served scheduler's, loaders.PREFILL_CHUNK_SPACING_TICKS)")
+                        help="their ticks before each piece (default: the served scheduler's, tunables.PREFILL_CHUNK_SPACING_TICKS)")
     report.add_output_arguments(parser, "prefill-pieces")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import loaders, tunables
 
     args = parse_args(argv)
     started = report.now()
     checkpoint = loaders.checkpoint_spec(args.checkpoint)
-    spacing = loaders.PREFILL_CHUNK_SPACING_TICKS if args.spacing is None else args.spacing
+    spacing = tunables.PREFILL_CHUNK_SPACING_TICKS if args.spacing is None else args.spacing
     if args.code2wav and not args.live:
         raise SystemExit("--code2wav decodes the live conversations' answers: give --live N too")
     starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing,

@@ -3,7 +3,7 @@ imports this module from tests/, which the tests put on its PYTHONPATH."""
 
 import os
 
-from personaplex_triton.core.faults import SlotFault
+from personaplex_triton.core.errors import SlotFault
 from personaplex_triton.engine.stage import Stage
 from personaplex_triton.engine.prefills import PrefillJob
 

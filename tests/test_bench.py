@@ -8,7 +8,7 @@ import pytest
 
 from bench import loadgen, overhead, perf_analyzer, report, stats, workload
 from personaplex_stream import Persona
-from personaplex_triton.core import contract, loaders
+from personaplex_triton.core import contract, tunables
 
 
 def test_percentiles_and_late_frames():
@@ -311,7 +311,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     stem = saved.name.removesuffix(report.LOAD_RESULT_SUFFIX)
     h = result["header"]
     assert (h["aged_context_frames"], h["conversation_s"], h["persona_every_s"]) == (10, 3.04, 1.5)
-    assert h["talker"]["kv_dtype"] and h["talker"]["max_conversations"] == loaders.CPU_TALKER_SLOTS
+    assert h["talker"]["kv_dtype"] and h["talker"]["max_conversations"] == tunables.CPU_TALKER_SLOTS
     assert h["talker"]["send_threads"] == h["code2wav"]["send_threads"] == 1  # a CPU's, from the log
     assert "; send threads: talker 1, code2wav 1" in (tmp_path / f"{stem}.md").read_text()
     [row] = result["load"]

@@ -227,7 +227,8 @@ def test_restart_resets_an_idle_conversation(engine):
 
 
 # -- faults, limits of time, health -------------------------------------------------------
-from personaplex_triton.core.faults import FaultPlan, SlotFault  # noqa: E402
+from personaplex_triton.core.errors import SlotFault  # noqa: E402
+from personaplex_triton.core.fault_injection import FaultPlan  # noqa: E402
 from personaplex_triton.core.metrics import Metrics  # noqa: E402
 
 
@@ -335,7 +336,7 @@ def test_a_step_that_cannot_be_repeated_ends_its_conversations_without_a_retry()
     the conversations twice; they get the error, and out of memory turns newcomers away."""
     import pickle
 
-    from personaplex_triton.core.faults import StepNotRepeatable
+    from personaplex_triton.core.errors import StepNotRepeatable
 
     fault = pickle.loads(pickle.dumps(StepNotRepeatable("decoding the tick's audio failed", out_of_memory=True)))
     assert str(fault) == "decoding the tick's audio failed" and fault.out_of_memory  # crosses a stage's pipe

@@ -423,7 +423,7 @@ def test_a_starts_graphed_reset_and_embeddings_are_the_eager_ones(lm):
     the live ticks: they leave the streaming state, and give the embeddings, bit for bit as
     moshi's reset and the eager embedding do; a prefill longer than the graph's buffer runs
     eagerly."""
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import tunables
 
     gen = SlotGenerator(lm, SLOTS, cuda_graphs=True)
     try:
@@ -446,7 +446,7 @@ def test_a_starts_graphed_reset_and_embeddings_are_the_eager_ones(lm):
         assert all(torch.equal(graphed[name], live[name]) for name in live), \
             [name for name in live if not torch.equal(graphed[name], live[name])]
 
-        for positions in (100, loaders.MAX_PREFILL_POSITIONS, loaders.MAX_PREFILL_POSITIONS + 1):
+        for positions in (100, tunables.MAX_PREFILL_POSITIONS, tunables.MAX_PREFILL_POSITIONS + 1):
             tokens = torch.randint(0, 2048, (positions, 17), generator=torch.Generator().manual_seed(positions))
             embedded = gen.embed_prefill(tokens)
             assert embedded.shape == (positions, 1, lm.dim) and torch.equal(embedded, gen.embed(tokens.cuda()))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from personaplex_stream import Persona, ServerError, stream_conversation
-from personaplex_triton.core import audio, contract, loaders
+from personaplex_triton.core import audio, contract, loaders, tunables
 from personaplex_triton.serving.serving import send_threads_in_log, slots_in_log
 from polling import wait_for
 from triton_requests import active, raw_request, voice_input
@@ -155,8 +155,8 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
     log = server.log_path.read_text()
     assert "talker: the stage runs in process" in log and "code2wav: the stage runs in process" in log
     # send_threads auto: several where the stage ticks in a process of its own
-    assert send_threads_in_log(log) == {"talker": loaders.STAGE_PROCESS_SEND_THREADS,
-                                        "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}
+    assert send_threads_in_log(log) == {"talker": tunables.STAGE_PROCESS_SEND_THREADS,
+                                        "code2wav": tunables.STAGE_PROCESS_SEND_THREADS}
 
 
 ONE_STUB_SETTINGS = {  # id: the speech model's parameters set
@@ -196,8 +196,8 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
     assert ("one tick steps the talker and decodes its frames" in log) == ("speech.one_tick=false" not in settings)
     if "speech.stage_process=true" in settings:
         assert len(workers) == 1 and "speech: the stage runs in process" in log
-        assert send_threads_in_log(log) == {"talker": loaders.STAGE_PROCESS_SEND_THREADS,
-                                            "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}
+        assert send_threads_in_log(log) == {"talker": tunables.STAGE_PROCESS_SEND_THREADS,
+                                            "code2wav": tunables.STAGE_PROCESS_SEND_THREADS}
     else:
         assert workers == []  # auto, on a CPU: the stages tick in the stub
         assert send_threads_in_log(log) == {"talker": 1, "code2wav": 1}

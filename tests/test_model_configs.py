@@ -74,12 +74,12 @@ def test_the_sequence_batcher_holds_back_no_conversation_a_pool_could_take():
     more candidates than any pool has slots (the largest: code2wav's on a GPU)."""
     import re
 
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import tunables
 
     for model in ("talker", "code2wav"):
         text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
         candidates = int(re.search(r"max_candidate_sequences: (\d+)", text).group(1))
-        assert candidates > loaders.GPU_DECODER_SLOTS
+        assert candidates > tunables.GPU_DECODER_SLOTS
 
 
 def test_the_one_stub_repository_serves_the_same_contract(tmp_path):

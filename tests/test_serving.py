@@ -125,11 +125,11 @@ def test_code2wav_refuses_bad_frames(code2wav, codes, frame_index, message):
 
 
 def test_frames_per_request_are_limited():
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import tunables
 
-    audio_frames(np.zeros(loaders.MAX_FRAMES_PER_REQUEST * 1920, np.float32))
+    audio_frames(np.zeros(tunables.MAX_FRAMES_PER_REQUEST * 1920, np.float32))
     with pytest.raises(InputError, match="holds 126 frames; the limit is 125 per request") as raised:
-        audio_frames(np.zeros((loaders.MAX_FRAMES_PER_REQUEST + 1) * 1920, np.float32))
+        audio_frames(np.zeros((tunables.MAX_FRAMES_PER_REQUEST + 1) * 1920, np.float32))
     assert raised.value.reason == "limit"
 
 

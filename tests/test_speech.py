@@ -214,7 +214,7 @@ def test_a_failed_decode_is_tried_again_and_never_steps_the_talker_twice(tiny_ch
     """A decode that fails once is tried again within the tick; one that fails twice raises
     StepNotRepeatable, so the engine ends the conversations rather than step the talker again."""
     from personaplex_triton.core import loaders
-    from personaplex_triton.core.faults import StepNotRepeatable
+    from personaplex_triton.core.errors import StepNotRepeatable
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.serving.stage_builds import build_speech
     from personaplex_triton.stages.persona import PersonaLibrary

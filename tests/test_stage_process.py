@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import stage_doubles
-from personaplex_triton.core.faults import SlotFault
+from personaplex_triton.core.errors import SlotFault
 from personaplex_triton.engine.engine import SlotEngine
 from personaplex_triton.engine.stage_process import StageProcess, StageProcessDied
 
@@ -132,10 +132,10 @@ def test_the_stage_process_parameter_is_on_by_default_on_a_gpu_only_and_refuses_
 
 
 def test_send_threads_are_several_where_the_stage_ticks_in_its_own_process_and_refuse_other_words():
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import tunables
     from personaplex_triton.serving.stage_builds import send_threads
 
-    assert send_threads({}, own_process=True) == loaders.STAGE_PROCESS_SEND_THREADS > 1
+    assert send_threads({}, own_process=True) == tunables.STAGE_PROCESS_SEND_THREADS > 1
     assert send_threads({"send_threads": "auto"}, own_process=False) == 1
     assert send_threads({"send_threads": " 3 "}, own_process=False) == 3
     for word in ("0", "-2", "two", "1.5"):

@@ -7,7 +7,7 @@ import torch
 from conftest import greedy_tokens_of, snapshot_tensors, tiny_moshi_lm, unforced_step
 from moshi.modules.transformer import RingKVCache
 
-from personaplex_triton.core import loaders
+from personaplex_triton.core import loaders, tunables
 from personaplex_triton.lm import kv_cache
 from personaplex_triton.lm.generation import SlotGenerator, StepInputs
 from personaplex_triton.lm.kv_cache import FilledRingKVCache
@@ -71,12 +71,12 @@ def test_the_pool_keeps_code2wavs_memory_free_unless_code2wav_holds_it_in_this_p
     lm, encoder, kv = talker.lm, talker.mimi.runner, torch.float32
     each = conversation_bytes(lm, encoder, kv)
     prefill = kv_cache.bytes_per_conversation(lm.transformer, kv)
-    free = loaders.GPU_RESERVED_BYTES + loaders.GPU_DECODER_RESERVED_BYTES + prefill + 10 * each + each // 2
+    free = tunables.GPU_RESERVED_BYTES + tunables.GPU_DECODER_RESERVED_BYTES + prefill + 10 * each + each // 2
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
     beside, beside_why = conversations_that_fit(lm, encoder, kv)
     inside, inside_why = conversations_that_fit(lm, encoder, kv, decoder_in_process=True)
     assert beside == 10 and "6 for code2wav's largest tick" in beside_why
-    assert inside == min(10 + (loaders.GPU_DECODER_RESERVED_BYTES + each // 2) // each, loaders.GPU_DECODER_SLOTS)
+    assert inside == min(10 + (tunables.GPU_DECODER_RESERVED_BYTES + each // 2) // each, tunables.GPU_DECODER_SLOTS)
     assert inside > beside and "code2wav's largest tick held in this process" in inside_why
 
 
@@ -596,7 +596,7 @@ def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voic
     """An encode after the answer that fails leaves its frames without user codes: the next tick
     names each of those slots (SlotFault, one at a time, as the engine ends them), not the
     conversations beside them, and does not step them on a grid with a hole."""
-    from personaplex_triton.core.faults import SlotFault
+    from personaplex_triton.core.errors import SlotFault
 
     for slot in (0, 1, 2):
         talker.prefill(slot, setup(wav_voice, seed=slot))
@@ -639,7 +639,7 @@ def test_filled_ring_gives_moshis_tokens():
     (FilledRingKVCache). Greedy, fp32, a 24-frame context so the ring wraps, slots idling and
     joining late: the same tokens as moshi's attention over the whole ring (the reference)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(loaders.CPU_TORCH_THREADS)  # as served; two threads crawl on a busy 2-core host
+    torch.set_num_threads(tunables.CPU_TORCH_THREADS)  # as served; two threads crawl on a busy 2-core host
     try:
         lm = tiny_moshi_lm("cpu", torch.float32, context=24)
         filled, moshi = greedy_tokens(lm, ring=True), greedy_tokens(lm, ring=False)

@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable
 
 from ..core import metrics as reasons
-from ..core.faults import FaultPlan
+from ..core.fault_injection import FaultPlan
 from ..core.metrics import Metrics
 from ..core.trace import FrameTrace
 from .answers import AnswerSender, finish
@@ -58,7 +58,7 @@ class SlotEngine:
                  downstream_behind_s: Callable[[], float] | None = None, admit_by_sends: bool = False):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
-        client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
+        client that vanishes, a sequence that Triton times out). `faults`: see core/fault_injection.py.
         `gather`, `gather_max_s`, `admission_tick_s`, `min_tick_interval_s`,
         `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from ..core import metrics as reasons
-from ..core.faults import FaultPlan, SlotFault, StepNotRepeatable
+from ..core.errors import SlotFault, StepNotRepeatable
+from ..core.fault_injection import FaultPlan
 from ..core.metrics import Metrics
 from .answers import Answer, TickSpan
 from .conversations import Conversation

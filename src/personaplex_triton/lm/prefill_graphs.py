@@ -11,7 +11,7 @@ are gathered into one-row buffers, the pass runs there, and they are written bac
 (slot_states.CarriedRows). The buffers hold a whole ring, so the pass runs the eager pass's
 kernels on the same shapes and the slot's state comes out bit for bit as an eager pass leaves
 it (tests/test_gpu.py); but only the ring's head moves in and out, the first `head` entries
-(loaders.MAX_PREFILL_POSITIONS): a freshly reset slot's ring is empty, a prefill fills no more
+(tunables.MAX_PREFILL_POSITIONS): a freshly reset slot's ring is empty, a prefill fills no more
 than that, and moshi's attention masks every entry past the slot's end, so what the buffers
 hold there never counts (gathering and writing back the whole ring made every pass longer).
 Off CUDA, with graphs off, past the head or of a length captured for none, a pass runs eagerly
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import loaders
+from ..core import tunables
 from .slot_states import SlotStates
 from .step_graphs import capture
 
@@ -47,7 +47,7 @@ class PrefillPasses:
         """`lm`: the streaming LMModel whose temporal transformer the passes run; `states`: its
         slots' streaming states; `enabled`: under CUDA graphs."""
         self.lm, self.states, self.enabled = lm, states, enabled
-        self.head = min(loaders.MAX_PREFILL_POSITIONS, lm.context)  # the ring entries a graphed pass moves
+        self.head = min(tunables.MAX_PREFILL_POSITIONS, lm.context)  # the ring entries a graphed pass moves
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if enabled:
             self._carried = states.one_slot()

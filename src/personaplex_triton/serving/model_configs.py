@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..core import contract, loaders, seam
+from ..core import contract, seam, tunables
 from ..core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 
 # Each repository's models: the two stages chained by the ensemble (the default), or both stages
@@ -91,7 +91,7 @@ PARAMETERS = {
         Parameter("min_tick_interval_ms", "0", "The least time from one tick's start to the next's: fewer, larger "
                                                "ticks (less GPU work for the same frames, frames wait longer for "
                                                "theirs); 0: a tick starts as soon as a frame waits."),
-        Parameter("start_piece_spacing", str(loaders.PREFILL_CHUNK_SPACING_TICKS),
+        Parameter("start_piece_spacing", str(tunables.PREFILL_CHUNK_SPACING_TICKS),
                   "Ticks of the live conversations between two pieces of a new persona's start (its prefill)\n"
                   "while their frames wait: more keeps more of their frames on time and makes the newcomer\n"
                   "wait longer for its first answer; 1: a piece after every tick."),

@@ -17,8 +17,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..core import contract, loaders, metrics as reasons, seam
-from ..core.faults import FaultPlan
+from ..core import contract, loaders, metrics as reasons, seam, tunables
+from ..core.fault_injection import FaultPlan
 from ..core.metrics import Metrics
 from ..engine.engine import ConversationError, SlotEngine
 from ..lm.sampling import SamplingParams
@@ -41,7 +41,7 @@ class InputError(ValueError):
 
 
 class LimitError(InputError):
-    """A request over one of the documented limits (loaders.MAX_*)."""
+    """A request over one of the documented limits (tunables.MAX_*)."""
 
     reason = reasons.LIMIT
 
@@ -70,9 +70,9 @@ def audio_frames(audio: np.ndarray | None) -> np.ndarray:
         raise InputError(
             f"{contract.AUDIO_IN} must hold a whole number of {contract.FRAME_SAMPLES}-sample frames, "
             f"got {audio.size} samples")
-    if audio.size > loaders.MAX_FRAMES_PER_REQUEST * contract.FRAME_SAMPLES:
+    if audio.size > tunables.MAX_FRAMES_PER_REQUEST * contract.FRAME_SAMPLES:
         raise LimitError(f"{contract.AUDIO_IN} holds {audio.size // contract.FRAME_SAMPLES} frames; the limit "
-                         f"is {loaders.MAX_FRAMES_PER_REQUEST} per request")
+                         f"is {tunables.MAX_FRAMES_PER_REQUEST} per request")
     if not np.isfinite(audio).all():
         raise InputError(f"{contract.AUDIO_IN} holds NaN or infinite samples")
     if audio.size and np.abs(audio).max() > 1.0:
@@ -189,7 +189,7 @@ class TalkerService:
                  idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
                  warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
                  min_tick_interval_ms: float = 0.0, send_threads: int = 1, stage_process: bool = False,
-                 start_piece_spacing: int = loaders.PREFILL_CHUNK_SPACING_TICKS, metrics: Metrics | None = None,
+                 start_piece_spacing: int = tunables.PREFILL_CHUNK_SPACING_TICKS, metrics: Metrics | None = None,
                  downstream_behind_s: Callable[[], float] | None = None):
         from ..stages.persona import PersonaLibrary
 
@@ -207,7 +207,7 @@ class TalkerService:
         on_gpu = device.startswith("cuda")
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
-                                 admission_tick_s=loaders.GPU_ADMISSION_TICK_S if on_gpu else 0.0, admit_by_sends=on_gpu,
+                                 admission_tick_s=tunables.GPU_ADMISSION_TICK_S if on_gpu else 0.0, admit_by_sends=on_gpu,
                                  min_tick_interval_s=min_tick_interval_ms / 1000,
                                  piece_spacing_ticks=start_piece_spacing, send_threads=send_threads,
                                  downstream_behind_s=downstream_behind_s)
@@ -320,7 +320,7 @@ class Code2WavService:
         # The talker admits them: code2wav refuses none for time or for its sends.
         self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=idle_timeout_s, metrics=self.metrics,
-                                 gather=tick_group, gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)
+                                 gather=tick_group, gather_max_s=tunables.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:

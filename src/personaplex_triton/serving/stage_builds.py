@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..core import loaders
+from ..core import loaders, tunables
 
 Emit = Callable[..., None]
 
@@ -46,12 +46,12 @@ def one_tick(params: dict[str, str]) -> bool:
 
 def send_threads(params: dict[str, str], own_process: bool) -> int:
     """A model's `send_threads` parameter: the threads that send its answers (outbox lanes);
-    "auto": loaders.STAGE_PROCESS_SEND_THREADS where the stage ticks in a process of its own
+    "auto": tunables.STAGE_PROCESS_SEND_THREADS where the stage ticks in a process of its own
     (`own_process`), else 1 (the tick shares the stub's GIL with them; on a few CPU cores more
     lanes only contend)."""
     value = params.get("send_threads", "auto").strip().lower()
     if value == "auto":
-        return loaders.STAGE_PROCESS_SEND_THREADS if own_process else 1
+        return tunables.STAGE_PROCESS_SEND_THREADS if own_process else 1
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f'parameter send_threads must be "auto" or a whole number of at least 1, got {value!r}')
     return int(value)
@@ -63,19 +63,19 @@ def talker_options(params: dict[str, str]) -> dict:
     return dict(persona_cache_size=int(params["persona_cache_size"]), warm_personas=params.get("warm_personas", ""),
                 dtype=params.get("dtype", "auto"), kv_dtype=params.get("kv_dtype", "auto"),
                 min_tick_interval_ms=float(params.get("min_tick_interval_ms", "0")),
-                start_piece_spacing=int(params.get("start_piece_spacing", loaders.PREFILL_CHUNK_SPACING_TICKS)))
+                start_piece_spacing=int(params.get("start_piece_spacing", tunables.PREFILL_CHUNK_SPACING_TICKS)))
 
 
 def use_device_threads(device: str) -> None:
-    """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
+    """On a CPU, PyTorch's intra-op threads of this process (tunables.CPU_TORCH_THREADS: why).
     On a GPU, how long a thread that wants the GIL waits for another to give it up
-    (loaders.GPU_GIL_SWITCH_S: why)."""
+    (tunables.GPU_GIL_SWITCH_S: why)."""
     import torch
 
     if device.startswith("cuda"):
-        sys.setswitchinterval(loaders.GPU_GIL_SWITCH_S)
+        sys.setswitchinterval(tunables.GPU_GIL_SWITCH_S)
     else:
-        torch.set_num_threads(loaders.CPU_TORCH_THREADS)
+        torch.set_num_threads(tunables.CPU_TORCH_THREADS)
 
 
 def pool_size(configured: int | str, device: str, cpu_default: int, on_gpu) -> tuple[int, str]:
@@ -107,9 +107,9 @@ def build_talker(checkpoint: str, max_conversations: int | str, device: str, per
     files = loaders.resolve_checkpoint(checkpoint)
     lm = loaders.get_lm(files, device, None if dtype in ("", "auto") else getattr(torch, dtype))
     kv = kv_cache.resolve(kv_dtype, device, next(lm.parameters()).dtype)
-    mimi = open_step("encoder", files, mimi_runtime, device, threads=loaders.CPU_ENCODER_THREADS)
+    mimi = open_step("encoder", files, mimi_runtime, device, threads=tunables.CPU_ENCODER_THREADS)
     tokenizer = loaders.get_tokenizer(files)
-    slots, why = pool_size(max_conversations, device, loaders.CPU_TALKER_SLOTS,
+    slots, why = pool_size(max_conversations, device, tunables.CPU_TALKER_SLOTS,
                            lambda: conversations_that_fit(lm, mimi, kv, decoder_in_process))
     talker = Talker(lm, mimi, tokenizer, slots, persona_cache_size, kv_dtype=kv)
     names = files.voice_names() if warm_personas.strip() == "all" else \
@@ -126,15 +126,15 @@ def build_talker(checkpoint: str, max_conversations: int | str, device: str, per
 def build_code2wav(checkpoint: str, max_conversations: int | str, device: str, mimi_runtime: str, emit: Emit):
     """Code2wav (stages/code2wav.Code2Wav): Mimi's decoder on `device` and its pool; on a GPU
     its largest tick's memory taken at once (planned with the talker's pool:
-    loaders.GPU_DECODER_RESERVED_BYTES)."""
+    tunables.GPU_DECODER_RESERVED_BYTES)."""
     from ..mimi.runtime import open_step
     from ..stages.code2wav import Code2Wav
 
     use_device_threads(device)
     files = loaders.resolve_checkpoint(checkpoint)
     mimi = open_step("decoder", files, mimi_runtime, device)
-    slots, why = pool_size(max_conversations, device, loaders.CPU_DECODER_SLOTS,
-                           lambda: (loaders.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
+    slots, why = pool_size(max_conversations, device, tunables.CPU_DECODER_SLOTS,
+                           lambda: (tunables.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
     decoder = Code2Wav(mimi, slots)
     if device.startswith("cuda"):
         decoder.take_largest_tick()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..core.faults import StepNotRepeatable
+from ..core.errors import StepNotRepeatable
 from ..engine.stage import Stage
 from ..engine.prefills import PrefillJob
 from .code2wav import Code2Wav, CodesFrame

@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..core import loaders
+from ..core import loaders, tunables
 from ..core.buckets import bucket_for
-from ..core.faults import SlotFault
+from ..core.errors import SlotFault
 from ..engine.stage import Stage
 from ..engine.prefills import Failed, PrefillJob
 from ..lm import kv_cache
@@ -388,7 +388,7 @@ def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:
 def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
                            decoder_in_process: bool = False) -> tuple[int, str]:
     """How many conversations fit in the GPU's free memory (`conversation_bytes` each), and why;
-    loaders.GPU_RESERVED_BYTES stay free for this process's other needs and one KV cache for the
+    tunables.GPU_RESERVED_BYTES stay free for this process's other needs and one KV cache for the
     buffers of a prefill's graphed passes (prefill_graphs.py). Code2wav's largest tick (the two
     stages' memory, planned together): in a process of its own, GPU_DECODER_RESERVED_BYTES stay
     free for it; built first in this one (`decoder_in_process`, one tick), it already holds that
@@ -396,16 +396,16 @@ def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
     free, _ = torch.cuda.mem_get_info(lm.device)
     each = conversation_bytes(lm, encoder, kv_dtype)
     prefill = kv_cache.bytes_per_conversation(lm.transformer, kv_dtype)
-    decoder = 0 if decoder_in_process else loaders.GPU_DECODER_RESERVED_BYTES
-    fit = max(1, (free - loaders.GPU_RESERVED_BYTES - decoder - prefill) // each)
+    decoder = 0 if decoder_in_process else tunables.GPU_DECODER_RESERVED_BYTES
+    fit = max(1, (free - tunables.GPU_RESERVED_BYTES - decoder - prefill) // each)
     decoder_why = ("code2wav's largest tick held in this process" if decoder_in_process else
                    f"{decoder / 2**30:.0f} for code2wav's largest tick")
-    return int(min(fit, loaders.GPU_DECODER_SLOTS)), (
+    return int(min(fit, tunables.GPU_DECODER_SLOTS)), (
         f"auto: {free / 2**30:.1f} GiB free on the GPU, {each / 2**30:.2f} GiB per conversation "
         f"({lm.context}-frame {str(kv_dtype).removeprefix('torch.')} KV cache + Mimi state), "
-        f"{loaders.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, {decoder_why} "
+        f"{tunables.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, {decoder_why} "
         f"and {prefill / 2**30:.2f} for a prefill's graphed passes, "
-        f"at most {loaders.GPU_DECODER_SLOTS} (code2wav's slots)")
+        f"at most {tunables.GPU_DECODER_SLOTS} (code2wav's slots)")
 
 
 def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:

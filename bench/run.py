@@ -53,11 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="without --url: a model parameter of the server it starts (on a copy of the model "
                              "repository), e.g. speech.one_tick=true")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    parser.add_argument("--server-log", type=Path,
-                        help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
     parser.add_argument("--metrics-url",
-                        help="with --url: that server's metrics host:port, for the stubs' garbage collections over "
-                             "each load level (default: --url's host, port 8002; 'none': not read)")
+                        help="with --url: that server's metrics host:port, for what each stage took at load (pool "
+                             "sizes, Mimi runtimes) and the stubs' garbage collections over each load level "
+                             "(default: --url's host, port 8002; 'none': not read)")
     parser.add_argument("--name", help="machine part of the file names (default: from this machine's CPU / GPU)")
     report.add_commit_argument(parser)
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
     if args.url:
         metrics_url = args.metrics_url or f"{args.url.rsplit(':', 1)[0]}:{DEFAULT_METRICS_PORT}"
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
-                      server_log=args.server_log, metrics_url=None if metrics_url == "none" else metrics_url)
+                      metrics_url=None if metrics_url == "none" else metrics_url)
     repository = ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY
     log(f"[server] starting tritonserver on {repository.name}" + "".join(f" --set {k}={v}" for k, v in args.set))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +123,7 @@ def main(argv=None) -> int:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
         return _bench(args, server.grpc_url, where, started, clock, local=True,
-                      server_log=args.out / "tritonserver.log", metrics_url=server.metrics_url)
+                      metrics_url=server.metrics_url)
 
 
 def _with_parameters(repository: Path, overrides: dict[str, str], scratch: Path) -> Path:
@@ -136,10 +135,9 @@ def _with_parameters(repository: Path, overrides: dict[str, str], scratch: Path)
     return copy
 
 
-def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None,
-           metrics_url: str | None = None) -> int:
-    info = report.server_info(url, server_log)
-    slots = info["talker"]["max_conversations"]  # None: auto, on a server whose log is not at hand
+def _bench(args, url: str, where: str, started, clock: float, local: bool, metrics_url: str | None = None) -> int:
+    info = report.server_info(url, metrics_url)
+    slots = info["talker"]["max_conversations"]  # None: auto, on a server whose metrics are not at hand
     if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
         raise SystemExit(f"--pa-concurrency {max(args.pa_concurrency)}: the server's talker has {slots} "
                          "conversation slots (max_conversations); more would be refused")
@@ -177,7 +175,7 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
         result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib,
-                                       server_log=server_log, metrics_url=metrics_url,
+                                       metrics_url=metrics_url,
                                        client_processes=args.client_processes)
         result["largest_held"] = stats.largest_held(result["load"])
     if "perf-analyzer" in args.stages:

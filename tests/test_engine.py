@@ -807,6 +807,29 @@ def test_a_prefill_in_chunks_lets_the_live_conversations_tick_between_them():
         engine.shutdown()
 
 
+def test_each_prefill_is_recorded_with_its_chunks(tmp_path, monkeypatch):
+    """With the trace on, each prefill an engine ran is a record (trace.read_prefills): the
+    conversations prefilled together, each chunk as the loop waited for it, within the whole."""
+    from personaplex_triton.core import trace
+
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path))
+    stage = ChunkedPrefillStage(2, chunks=3, chunk_s=0.01)
+    engine = SlotEngine(stage, name="talker")
+    try:
+        live = live_conversation(engine, 20)
+        engine.open(2, None)
+        assert run(engine, 2, ["x"]).outputs == [("x", 1)]
+        live.wait()
+    finally:
+        engine.shutdown()
+    first, second = trace.read_prefills(tmp_path, "talker")
+    # the stage's 3 yields make 4 chunks: the loop's last call runs the work after the last yield
+    assert (first.conversations, first.chunks, second.conversations, second.chunks, second.live) == (1, 4, 1, 4, 2)
+    assert first.ended <= second.ended and sum(chunk >= 0.01 for chunk in second.chunks_s) == 3
+    assert second.longest_chunk_s == max(second.chunks_s) and sum(second.chunks_s) <= second.duration_s
+    assert trace.read_prefills(tmp_path, "code2wav") == [] and trace.read(tmp_path, "talker")  # frames apart
+
+
 def test_a_prefill_that_fails_in_a_chunk_ends_its_conversation_only():
     """A chunk that raises fails the conversations of its prefill (those admitted with it), not
     the live ones."""

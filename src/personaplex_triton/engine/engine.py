@@ -87,8 +87,7 @@ class SlotEngine:
         ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults,
                         on_tick=self.scheduler.record, on_out_of_memory=self.scheduler.out_of_memory)
         self._loop = EngineLoop(name, stage, self._cond, self._table, self.scheduler, ticker, outbox, self._fail,
-                                self._stop_all,
-                                self.metrics, idle_timeout_s)
+                                self._stop_all, self.metrics, self.trace, idle_timeout_s)
         self._loop.start()
 
     @property

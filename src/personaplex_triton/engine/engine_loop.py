@@ -20,6 +20,7 @@ from typing import Callable
 
 from ..core import metrics as reasons
 from ..core.metrics import Metrics
+from ..core.trace import FrameTrace, PrefillRecord
 from .answers import finish
 from .conversations import Conversation, ConversationTable
 from .outbox import Outbox
@@ -48,18 +49,15 @@ class _Prefill:
     begun_s: float  # `begin_prefills`: a round trip where the stage runs in a process of its own
     chunk_s: list[float] = field(default_factory=list)  # each chunk as the loop waited for it
 
-    @property
-    def longest_s(self) -> float:
-        """The longest chunk: what the live conversations' frames waited for it."""
-        return max(self.chunk_s, default=0.0)
-
 
 class EngineLoop(threading.Thread):
     def __init__(self, name: str, stage: Stage, lock: threading.Condition, table: ConversationTable,
                  scheduler: Scheduler, ticker: Ticker, outbox: Outbox, fail: Callable[[Conversation, str, str], None],
-                 stop_all: Callable[[str, str], None], metrics: Metrics, idle_timeout_s: float | None):
+                 stop_all: Callable[[str, str], None], metrics: Metrics, trace: FrameTrace,
+                 idle_timeout_s: float | None):
         """`stage`, `lock` (over `table` and `running`), `fail(conversation, message, reason)`,
-        `stop_all(message, reason)` and `idle_timeout_s`: the engine's (SlotEngine)."""
+        `stop_all(message, reason)` and `idle_timeout_s`: the engine's (SlotEngine); `trace` records
+        each prefill (core/trace.py)."""
         super().__init__(name=name, daemon=True)
         self.stage = stage
         self._lock = lock
@@ -70,6 +68,7 @@ class EngineLoop(threading.Thread):
         self._fail = fail
         self._stop_all = stop_all
         self.metrics = metrics
+        self.trace = trace
         self.idle_timeout_s = idle_timeout_s
         self.running = True  # under the lock: False ends the loop at its next pass
         self._prefills: list[_Prefill] = []
@@ -203,9 +202,12 @@ class EngineLoop(threading.Thread):
                 conv.prefilling = False
             live = len(self._table.live())
         # The live conversations' frames waited for each chunk: the longest is what a prefill costs them.
-        log.info(PREFILLED_LOG, self.name, len(prefill.conversations), (time.perf_counter() - prefill.began) * 1e3,
-                 len(prefill.chunk_s), prefill.longest_s * 1e3, live, prefill.begun_s * 1e3,
-                 ", ".join(f"{chunk * 1e3:.1f}" for chunk in prefill.chunk_s))
+        record = PrefillRecord(self.name, time.time(), len(prefill.conversations), time.perf_counter() - prefill.began,
+                               prefill.begun_s, tuple(prefill.chunk_s), live)
+        self.trace.prefill(record)
+        log.info(PREFILLED_LOG, self.name, record.conversations, record.duration_s * 1e3, record.chunks,
+                 record.longest_chunk_s * 1e3, live, record.begin_s * 1e3,
+                 ", ".join(f"{chunk * 1e3:.1f}" for chunk in record.chunks_s))
         for conv in prefill.conversations:
             exc = failed.get(conv.slot)
             if exc is not None:

@@ -118,6 +118,10 @@ class OneEngineMetrics(Metrics):
         self.talker.sends_behind(seconds)
         self.code2wav.sends_behind(seconds)
 
+    def loaded(self, slots: int, send_threads: int, mimi_part: str, mimi_runtime: str,
+               warm_personas: list[str] | None = None, kv_dtype: str | None = None) -> None:
+        self.talker.loaded(slots, send_threads, mimi_part, mimi_runtime, warm_personas, kv_dtype)
+
     def close(self) -> None:
         self.talker.close()
         self.code2wav.close()
@@ -156,12 +160,14 @@ class SpeechService:
                  code2wav_metrics: Metrics | None = None, one_tick: bool = True, **talker_options):
         self.one_tick = one_tick
         if one_tick:
+            code2wav_metrics = code2wav_metrics or Metrics()
             self.talker = OneTickService(checkpoint, max_conversations, decoder_conversations, device=device,
                                          idle_timeout_s=idle_timeout_s, mimi_runtime=mimi_runtime,
                                          send_threads=send_threads, stage_process=stage_process,
-                                         metrics=OneEngineMetrics(talker_metrics or Metrics(),
-                                                                  code2wav_metrics or Metrics()),
+                                         metrics=OneEngineMetrics(talker_metrics or Metrics(), code2wav_metrics),
                                          **talker_options)
+            code2wav = self.talker.code2wav_info
+            code2wav_metrics.loaded(code2wav.slots, send_threads, "decoder", code2wav.mimi_runtime)
             self.code2wav = None
             return
         # code2wav first: on a GPU it takes its largest tick's memory before the talker sizes its pool.

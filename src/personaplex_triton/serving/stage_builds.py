@@ -22,7 +22,9 @@ class StageInfo:
     slots: int          # conversation slots
     slots_why: str      # how that number was chosen
     mimi: str           # the Mimi runtime, described (runtime.StepRunner.describe)
+    mimi_runtime: str   # its name: tensorrt, onnxruntime or torch
     warmed: list[str] | None = None  # the talker's personas prefilled at load
+    kv_dtype: str | None = None      # what the talker's KV cache stores
 
 
 def stage_process(params: dict[str, str], device: str) -> bool:
@@ -120,7 +122,7 @@ def build_talker(checkpoint: str, max_conversations: int | str, device: str, per
         talker.prefill(0, TalkerSetup(personas.persona(name, ""), SamplingParams()))
         talker.stop(0)
     talker.persona_cache.on_lookup = lambda hit: emit("persona_cache_lookup", hit)  # after warming: clients' only
-    return talker, StageInfo(slots, why, mimi.describe(), warmed)
+    return talker, StageInfo(slots, why, mimi.describe(), mimi.runtime, warmed, str(kv).removeprefix("torch."))
 
 
 def build_code2wav(checkpoint: str, max_conversations: int | str, device: str, mimi_runtime: str, emit: Emit):
@@ -138,7 +140,7 @@ def build_code2wav(checkpoint: str, max_conversations: int | str, device: str, m
     decoder = Code2Wav(mimi, slots)
     if device.startswith("cuda"):
         decoder.take_largest_tick()
-    return decoder, StageInfo(slots, why, mimi.describe())
+    return decoder, StageInfo(slots, why, mimi.describe(), mimi.runtime)
 
 
 def build_speech(checkpoint: str, max_conversations: int | str, decoder_conversations: int | str, device: str,

@@ -6,9 +6,9 @@ Prometheus endpoint (`:8002/metrics`), each series labelled with the model's nam
 
 A histogram is kept here, as Prometheus exposes one: the counters `<name>_bucket` (label `le`,
 cumulative), `<name>_sum` and `<name>_count`. A Python-backend model's every update is a round
-trip to tritonserver, and Triton's own histogram takes one observation a call: 800 a second
-for the frame latency at 64 conversations, which kept the reporter thread busy 71% of the time
-on the H200. As counters, a batch of observations is one increment a bucket.
+trip to tritonserver, and Triton's own histogram takes one observation a call: hundreds a second
+for the frame latency under load, which would keep the reporter thread busy most of the time.
+As counters, a batch of observations is one increment a bucket.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class UpdateQueue:
     value, histogram observations turned into their counters' increments (histogram_counts)
     when taken, off the serving threads. A Python-backend model's every update is a round trip
     to tritonserver; made where they arise, two a frame, they took most of the time a tick's
-    answers spent leaving at 64 conversations. A series is a key: (name, labels)."""
+    answers spent leaving under load. A series is a key: (name, labels)."""
 
     def __init__(self):
         self._cond = threading.Condition()

@@ -1,6 +1,6 @@
 """Serving tunables: pool sizes, memory held back, scheduling, threads and the limits on what a
 request may ask. The model's own hyperparameters and token ids are loaders.py's. Where a value
-was chosen by measurement, docs/gpu-serving-log.md has the runs."""
+was chosen by measurement, docs/decisions.md has the runs."""
 
 from __future__ import annotations
 

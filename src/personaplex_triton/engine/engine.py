@@ -9,12 +9,10 @@ what each tick carries and when it starts, and admits conversations by time; the
 the stage; answers go back through each request's callbacks, in order,
 from the outbox thread (outbox.py, answers.py), so the next tick need not wait for the sends.
 `send_threads` gives the outbox lanes, each sending its own conversations' answers (the
-models' default: 4 where the stage ticks in a process of its own, else 1; stage_builds.py). When
-sends from several threads were first tried (07070be), tritonserver 2.51 aborted (a
-boost::interprocess lock_exception); since, a real tritonserver has taken them on a CPU
-(tests/test_integration.py) and, with 4 lanes, at 56 conversations on an H100 (six runs of
-60 s, none aborted; docs/gpu-serving-log.md). The parts share the engine's lock, and end a
-conversation through its `_fail`.
+models' default: several where the stage ticks in a process of its own, else 1;
+core/tunables.py). A real tritonserver takes sends from several threads of one stub
+(tests/test_integration.py; docs/decisions.md has the runs under load). The parts share
+the engine's lock, and end a conversation through its `_fail`.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations

@@ -139,9 +139,9 @@ class EngineLoop(threading.Thread):
     def _poll_cancelled(self, now: float) -> None:
         """Ask each conversation's oldest pending request whether its client is gone (a client
         that goes cancels them all). A poll is a round trip to tritonserver: one a conversation,
-        and none for a request about to be answered. Polling every pending request made a
-        backlog self-sustaining on the H200: at 64 conversations thousands of frames were
-        pending, and their polls slowed the loop further."""
+        and none for a request about to be answered. Polling every pending request would make a
+        backlog self-sustaining: under load thousands of frames may be pending, and their polls
+        would slow the loop further."""
         if now - self._last_cancel_poll < CANCEL_POLL_S:
             return
         self._last_cancel_poll = now

@@ -6,7 +6,7 @@ runs exactly those rows: a compact tick, lm/slot_states.py), the frame that has 
 first. The plan's order is the order in which the tick's answers leave, one send after another
 (a Python-backend stub sends one response at a time): oldest first, the frame nearest its
 deadline does not queue behind the others' sends (in join order, the last conversation to join
-always went last, and its frames were late more often; docs/gpu-serving-log.md). A tick starts
+always went last, and its frames were late more often; docs/decisions.md). A tick starts
 as soon as a frame waits: such ticks regulate themselves (a longer tick lets more frames gather
 for the next, so batches grow with load), and waiting for deadlines adds latency and gains
 nothing. A stage whose frames arrive one response at a time from another stage's tick
@@ -52,7 +52,7 @@ MODEL_MIN_TICKS = 32    # fewer: no admission by time yet (nothing measured)
 MEMORY_FULL_S = 30.0    # after a tick ran out of GPU memory, newcomers are refused this long
 # Answers waiting this long to be sent: the sends cannot keep up, newcomers are refused. Three
 # frames' worth: well above what the oldest answer waits while the sends keep up, well below the
-# seconds it waits once they cannot (docs/gpu-serving-log.md).
+# seconds it waits once they cannot (docs/decisions.md).
 SENDS_BEHIND_LIMIT_S = 0.25
 
 

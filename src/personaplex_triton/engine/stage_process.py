@@ -1,9 +1,9 @@
 """A stage in a process of its own: its ticks and prefills take that process's GIL, not the stub's.
 
 In one Triton stub the tick's host work (building the step, launching its graph, reading its
-result) shares one GIL with the stub's request and send threads. At 64 conversations on the
-H200 the tick spent 3.9 ms of its 17.4 (p50) off the CPU waiting for the GIL, and with 4 send
-threads 8.4 ms (docs/gpu-serving-log.md). As vLLM runs its engine core apart from its API server,
+result) shares one GIL with the stub's request and send threads, and under load the tick
+spends a good part of its time waiting for it, more with more send threads (the measurements
+are in docs/decisions.md). As vLLM runs its engine core apart from its API server,
 `StageProcess` runs the stage (the model, its state, its CUDA context) in a child Python
 process, and is the engine's stage (stage.Stage) in the stub: the scheduler, the conversations
 and the sends stay in the stub, and a tick is one round trip through a pipe (the frames in,

@@ -108,8 +108,8 @@ class SlotGenerator:
 
     def start_many(self, params: dict[int, SamplingParams], reset_model: bool = True) -> None:
         """`start` of several slots at once, each with its settings: one reset of the model's
-        streaming state for them all (moshi's walks every module, whatever the rows: 3 ms on
-        the H200, so 64 conversations starting together took 200 ms of resets). Without
+        streaming state for them all (moshi's walks every module, whatever the rows, so a reset
+        a slot would add up to a long stall when many conversations start together). Without
         `reset_model` the caller puts each slot's model state in place (`reset_model`, or
         `restore`, which writes all of it)."""
         slots = to_device(torch.tensor(list(params)), self.device)

@@ -15,7 +15,7 @@ it (tests/test_gpu.py); but only the ring's head moves in and out, the first `he
 than that, and moshi's attention masks every entry past the slot's end, so what the buffers
 hold there never counts (gathering and writing back the whole ring made every pass longer).
 Off CUDA, with graphs off, past the head or of a length captured for none, a pass runs eagerly
-on the slot's own row. The measurements are in docs/gpu-serving-log.md.
+on the slot's own row. The measurements are in docs/decisions.md.
 """
 
 from __future__ import annotations

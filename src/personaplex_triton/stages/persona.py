@@ -25,10 +25,9 @@ class VoicePrompt:
     1..N-1) and `cache` [1, 17, ring] (the token ring buffer after them). wav: the frames
     [N, 1920], loudness-normalised, Mimi-encoded as they are played.
 
-    A voice loaded from a file (`source`) pickles as that file's name: a new persona's start
+    A voice loaded from a file (`source`) pickles as that file's name: a new persona's prefill
     crosses to the talker's process (engine/stage_process.py), which loaded the same voices,
-    where a 7B bundle's tensors (3.6 MB) made that crossing, on the engine's loop, 6.86 ms at the
-    median against 0.27 (2 CPU cores; `python -m bench.start_crossing --bundle-dim 4096`).
+    so a 7B bundle's tensors (megabytes) need not cross the pipe on the engine's loop.
     """
 
     name: str

@@ -3,9 +3,9 @@ it answered.
 
 Chained as two engines (serving/speech.py), a frame's codes leave the talker's tick, are handed
 to code2wav's engine, wait for its next tick and, on a GPU, cross into a second process and CUDA
-context, which time-slices the card with the talker's. At 1 conversation on an H100 that was
-about 1 ms of a 15.2 ms frame (docs/gpu-serving-log.md). Here the decode follows the step in the
-same call, process and CUDA context; the tick's answer is the frame's audio and text.
+context, which time-slices the card with the talker's: latency a frame pays for nothing. Here
+the decode follows the step in the same call, process and CUDA context; the tick's answer is
+the frame's audio and text.
 """
 
 from __future__ import annotations

@@ -141,11 +141,10 @@ class Talker(Stage):
         the next tick that steps one of those slots takes them. A step's samples do not depend
         on its own frame's codes (its input is the previous position; the depformer skips the
         user's codebooks), only the next step's do, so the tokens are the same and the encode
-        (about a fifth of a CPU frame, 2.5 to 6 ms of an H200's tick) leaves each frame's
-        latency. On a CPU the encode runs on a thread of its own while the answers leave and
-        the decoder runs; on a CUDA device it is queued on a stream of its own beside the step,
-        and the next tick's step waits for it on the GPU, not the host (on a thread, the
-        tick's thread waited for it in a fifth of its time at 64 conversations on the H200)."""
+        (a sizeable part of a tick) leaves each frame's latency. On a CPU the encode runs on a
+        thread of its own while the answers leave and the decoder runs; on a CUDA device it is
+        queued on a stream of its own beside the step, and the next tick's step waits for it on
+        the GPU, not the host (on a host thread, the tick's thread would wait for it)."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots

@@ -153,7 +153,7 @@ def test_greedy_ignores_the_temperature_range():
 
 
 def test_prompt_limits(files, monkeypatch):
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import loaders, tunables
     from personaplex_triton.stages.persona import PersonaLibrary, PromptTooLong
 
     library = PersonaLibrary(files, loaders.get_tokenizer(files))
@@ -162,7 +162,7 @@ def test_prompt_limits(files, monkeypatch):
         library.persona("NATF0", "a" * 200_000)
     with pytest.raises(PromptTooLong, match=r"TEXT_PROMPT is \d+ tokens long; the limit is 256"):
         library.persona("NATF0", "hello there " * 300)
-    monkeypatch.setattr(loaders, "MAX_VOICE_PROMPT_FRAMES", 10)
+    monkeypatch.setattr(tunables, "MAX_VOICE_PROMPT_FRAMES", 10)
     with pytest.raises(PromptTooLong, match=r"voice 'NATF0.pt' is \d+ frames long; the limit is 10 \(0.8 s\)"):
         library.persona("NATF0", "")
 

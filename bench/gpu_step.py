@@ -109,7 +109,7 @@ def new_persona_ms(talker, tokenizer) -> float:
                             cache=talker.generator.grid.cache[0].cpu().clone())
         torch.cuda.synchronize()
         start = time.perf_counter()
-        talker.start(0, TalkerSetup(Persona(voice, prompt), SamplingParams(seed=i)))
+        talker.prefill(0, TalkerSetup(Persona(voice, prompt), SamplingParams(seed=i)))
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     return round(statistics.median(times), 1)
@@ -222,7 +222,7 @@ def main():
         decoder = Code2Wav(TorchStepRunner("decoder", mimi, cuda_graphs=graphs), slots)
         codes = {s: CodesFrame(rng.integers(0, 2048, 8)) for s in range(slots)}
         for s in range(slots):
-            decoder.start(s)
+            decoder.prefill(s)
         code2wav.append({"slots": slots, "code2wav_tick_ms": timed(lambda: decoder.tick(codes), args.steps),
                          # what a decoder of this many slots needs beyond Mimi's weights: its pool and a full tick
                          "code2wav_peak_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)})
@@ -254,7 +254,7 @@ def talker_ticks(lm, encoder, tokenizer, pool: int, attention: str, kv_dtype, vo
         raise SystemExit("ring attention is not available here (it needs CUDA and OpenAI Triton)")
     kv_name = str(kv_dtype).removeprefix("torch.")
     for s in range(pool):  # the first prefills the persona, the others start from the cache
-        talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
+        talker.prefill(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
     prefill_ms = new_persona_ms(talker, tokenizer)
     print(f"{attention} attention, {kv_name} KV: a new persona's start (its prefill) {prefill_ms} ms", flush=True)
     rows = []

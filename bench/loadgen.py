@@ -45,7 +45,6 @@ import random
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from personaplex_stream import Persona, new_sequence_id, stream_conversation
@@ -57,7 +56,6 @@ from personaplex_stream.stream import _send_frames
 
 from personaplex_triton.core import trace
 from personaplex_triton.core.metrics import scrape, series_labels
-from personaplex_triton.serving.serving import starts_in_log
 
 from . import gpu_telemetry, host_cpu, stats, steal, ticks, workload
 from .host_noise import Noise
@@ -447,26 +445,26 @@ def _add_sampled(row: dict, key: str, figures: Callable, samples: list[dict], go
         window[key] = figures(samples, start, start + WINDOW_S)
 
 
-def add_starts(row: dict, server_log: Path, go: float, end: float, talker_records: list[dict] | None = None) -> None:
-    """The talker's starts in the level started at `go` and over at `end`, from the server's log
-    (serving.starts_in_log): how many, the longest piece of each (what the live conversations'
-    frames waited for it) and each whole start, p50 and max (ms); and each start of more than one
-    piece (a prefill) on its own: when it ended (s from `go`), the whole, its pieces (each as the
-    engine's loop waited for it, and its `begin_starts` before them, where the log has them), and, from
-    the talker's frame records where there are any, its ticks and the gaps between them
-    (ticks.during)."""
-    logged = starts_in_log(Path(server_log).read_text(errors="replace"), time.localtime(go).tm_year)
-    starts = [s for s in logged if s["stage"] == "talker" and go <= s["at"] <= end]
+def add_starts(row: dict, trace_dir, go: float, end: float, talker_records: list[dict] | None = None) -> None:
+    """The talker's starts (its prefills) in the level started at `go` and over at `end`, from the
+    server's prefill records (trace.read_prefills): how many, the longest chunk of each (what the
+    live conversations' frames waited for it) and each whole prefill, p50 and max (ms); and each
+    prefill of more than one chunk on its own: when it ended (s from `go`), the whole, its chunks
+    (each as the engine's loop waited for it, and its `begin_prefills` before them), and, from the
+    talker's frame records where there are any, its ticks and the gaps between them (ticks.during).
+    The row's keys keep their names ("pieces": chunks), as the saved results have them."""
+    starts = [p for p in trace.read_prefills(trace_dir, "talker") if go <= p.ended <= end]
     if starts:
-        pieces, wholes = [s["longest_ms"] for s in starts], [s["ms"] for s in starts]
+        pieces, wholes = [1e3 * p.longest_chunk_s for p in starts], [1e3 * p.duration_s for p in starts]
         row["starts"] = {"count": len(starts), "longest_piece_ms_p50": stats.percentiles(pieces, (50,))["p50"],
                          "longest_piece_ms_max": max(pieces), "ms_p50": stats.percentiles(wholes, (50,))["p50"],
                          "ms_max": max(wholes)}
         row["starts"]["each"] = [
-            {"end_s": round(s["at"] - go, 2), "ms": s["ms"], "pieces": s["pieces"], "longest_ms": s["longest_ms"],
-             "begin_ms": s["begin_ms"], "pieces_ms": s["pieces_ms"],
-             **(ticks.during(talker_records, s["at"] - s["ms"] / 1000, s["at"]) if talker_records else {})}
-            for s in starts if s["pieces"] > 1]
+            {"end_s": round(p.ended - go, 2), "ms": round(1e3 * p.duration_s, 1), "pieces": p.chunks,
+             "longest_ms": round(1e3 * p.longest_chunk_s, 1), "begin_ms": round(1e3 * p.begin_s, 1),
+             "pieces_ms": [round(1e3 * chunk, 1) for chunk in p.chunks_s],
+             **(ticks.during(talker_records, p.began, p.ended) if talker_records else {})}
+            for p in starts if p.chunks > 1]
 
 
 def _records_by_window(records: dict[str, list[dict]], served: list[Outcome], go: float, count: int) -> list[dict]:
@@ -533,16 +531,15 @@ def add_collections(row: dict, before: dict, after: dict) -> None:
 
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
           persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
-          trace_dir=None, gpu_memory=None, server_log: Path | None = None,
-          metrics_url: str | None = None, client_processes: int | None = None, server_pid: int | None = None,
-          noise: Noise | None = None) -> list[dict]:
+          trace_dir=None, gpu_memory=None, metrics_url: str | None = None, client_processes: int | None = None,
+          server_pid: int | None = None, noise: Noise | None = None) -> list[dict]:
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
     frames are followed through the stages and each stage's ticks counted, over the level and per
-    window (add_traces). `gpu_memory()`: GiB in use, sampled at the end of each level. Where
-    nvidia-smi runs, the GPU's clocks, power and temperatures are sampled along each level
+    window (add_traces), and the talker's prefills read (add_starts). `gpu_memory()`: GiB in use,
+    sampled at the end of each level. Where nvidia-smi runs, the GPU's clocks, power and temperatures are sampled along each level
     (add_gpu_telemetry), and the host's CPU busy and steal time from /proc/stat, GPU or not
-    (add_host_cpu). `server_log`: the server's log, for the talker's starts (add_starts).
+    (add_host_cpu).
     `metrics_url`: the server's metrics endpoint, for the stubs' garbage collections over each
     level (add_collections). `client_processes`: the processes each level's conversations are
     dealt to (None: client_processes_for's default); each one's CPU time is in the row (add_client).
@@ -574,8 +571,8 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
         records = add_traces(row, trace_dir, served, go, aged) if trace_dir is not None and served else {}
         if gpu_memory is not None:
             row["gpu_memory_gib"] = gpu_memory()
-        if server_log is not None:
-            add_starts(row, server_log, go, time.time(), records.get("talker"))
+        if trace_dir is not None:
+            add_starts(row, trace_dir, go, time.time(), records.get("talker"))
         log(f"  p50 {row['p50']} ms, p99 {row['p99']} ms, late {row['late']}/{row['frames']}, failed {row['failed']}, "
             f"first audio {row['first_audio_ms_p50']} ms: {'held' if row['held'] else 'NOT held'} ({row['why']})")
         rows.append(row)

@@ -165,7 +165,7 @@ def time_frame_budget(files, ticks) -> dict:
     encoder, decoder = open_step("encoder", files), open_step("decoder", files)
     talker = Talker(loaders.get_lm(files), encoder, loaders.get_tokenizer(files), 1)
     voice = VoicePrompt("noise", frames=(0.1 * rng.standard_normal((2, 1920))).astype(np.float32))
-    talker.start(0, TalkerSetup(Persona(voice, ()), SamplingParams(seed=0)))
+    talker.prefill(0, TalkerSetup(Persona(voice, ()), SamplingParams(seed=0)))
     frame = {0: (0.1 * rng.standard_normal(1920)).astype(np.float32)}
     # the last frame's encode is done before the next frame comes (80 ms later), as served
     talker_ms = median_ms(lambda: talker.tick(frame), ticks, before=talker.settle)
@@ -173,7 +173,7 @@ def time_frame_budget(files, ticks) -> dict:
     encode_after = talker._encoder is not None
     talker.close()
     code2wav = Code2Wav(decoder, 1)
-    code2wav.start(0)
+    code2wav.prefill(0)
     codes = {0: CodesFrame(rng.integers(0, 2048, 8))}
     decode_ms = median_ms(lambda: code2wav.tick(codes), ticks)
     total = round(talker_ms + decode_ms, 2)

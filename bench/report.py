@@ -16,9 +16,9 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from personaplex_triton.core.metrics import stage_setups
 from personaplex_triton.core.paths import REPO_ROOT
 from personaplex_triton.mimi.artefacts import file_sha256
-from personaplex_triton.serving.serving import send_threads_in_log, slots_in_log
 
 from . import stats
 from .loadgen import LOAD_GENERATOR, LONG_PAUSE_S, NEW_PERSONA_AFTER_S
@@ -46,24 +46,15 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": cores, "gpus": gpus, "slug": slug}
 
 
-def mimi_runtimes_in_log(server_log: Path) -> dict[str, str]:
-    """{model: runtime} from the line each stage logs at load ("talker: Mimi encoder on onnxruntime (...")."""
-    found = re.findall(r"(talker|code2wav): Mimi \w+ on (\w+)", Path(server_log).read_text(errors="replace"))
-    return dict(found)
-
-
-def server_info(url: str, server_log: Path | None = None) -> dict:
+def server_info(url: str, metrics_url: str | None = None) -> dict:
     """What the server says of itself: Triton version, whether it runs both stages in one stub
     (`one_stub`: the `speech` model of model_repository_one_stub, whose one engine's tick steps both:
-    `one_tick`),
-    and per stage its config
-    parameters (pool size, checkpoint, device, `mimi_runtime`; the talker's KV dtype), from the
-    stage's model or from `speech`. With the server's log at hand, the Mimi runtime is the one
-    each stage says it runs ("auto: onnxruntime")."""
+    `one_tick`), and per stage its config parameters (pool size, checkpoint, device,
+    `mimi_runtime`; the talker's KV dtype), from the stage's model or from `speech`. With its
+    metrics at hand (`metrics_url`, core/metrics.stage_setups), what each stage took at load: its
+    pool, its send threads, the Mimi runtime it runs ("auto: onnxruntime") and the talker's KV dtype."""
     client = grpcclient.InferenceServerClient(url=url)
-    log = Path(server_log).read_text(errors="replace") if server_log is not None else ""
-    running = mimi_runtimes_in_log(server_log) if server_log is not None else {}
-    slots, sends = slots_in_log(log), send_threads_in_log(log)
+    setups = stage_setups(metrics_url, expect=("talker", "code2wav")) if metrics_url is not None else {}
     try:
         one_stub = params_of(client, "speech") if client.is_model_ready("speech") else None
         info = {"triton_version": client.get_server_metadata().version, "one_stub": one_stub is not None,
@@ -72,13 +63,14 @@ def server_info(url: str, server_log: Path | None = None) -> dict:
             params = params_of(client, model) if one_stub is None else one_stub
             runtime = params.get("mimi_runtime", "")
             configured = params.get("code2wav_conversations" if one_stub and model == "code2wav" else "max_conversations", "")
-            # auto: what the stage took, where its log is at hand; else unknown (None)
-            info[model] = {"max_conversations": slots.get(model, int(configured) if configured.isdigit() else None),
+            setup = setups.get(model)
+            # auto: what the stage took, where its metrics are at hand; else unknown (None)
+            info[model] = {"max_conversations": setup.slots if setup else int(configured) if configured.isdigit() else None,
                            "checkpoint": params.get("checkpoint", ""), "device": params.get("device", ""),
-                           "mimi_runtime": f"{runtime}: {running[model]}" if model in running else runtime,
-                           "send_threads": sends.get(model)}  # from the log only
+                           "mimi_runtime": f"{runtime}: {setup.mimi_runtime}" if setup else runtime,
+                           "send_threads": setup.send_threads if setup else None}
             if model == "talker":
-                info[model]["kv_dtype"] = kv_dtype(params, log)
+                info[model]["kv_dtype"] = setup.kv_dtype if setup and setup.kv_dtype else kv_dtype(params)
     finally:
         client.close()
     return info
@@ -90,13 +82,9 @@ def params_of(client, model: str) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
 
 
-def kv_dtype(params: dict[str, str], log: str) -> str:
-    """What the talker's KV cache stores: what it sized its pool for, where its log says so
-    ("3000-frame bfloat16 KV cache", on a GPU); else its `kv_dtype` parameter; for auto, its
-    `dtype` parameter (auto's KV is the LM's dtype); else the auto rule itself."""
-    found = re.search(r"\d+-frame (\w+) KV cache", log)
-    if found:
-        return found.group(1)
+def kv_dtype(params: dict[str, str]) -> str:
+    """What the talker's KV cache stores, where its metrics do not say: its `kv_dtype` parameter;
+    for auto, its `dtype` parameter (auto's KV is the LM's dtype); else the auto rule itself."""
     for key in ("kv_dtype", "dtype"):
         if params.get(key, "") not in ("", "auto"):
             return params[key]
@@ -440,7 +428,7 @@ def _client_table(rows: list[dict]) -> list[str]:
 
 def _starts_table(rows: list[dict]) -> list[str]:
     """What new personas' starts cost the live conversations (stats.near_starts), and the talker's
-    starts in each level from the server's log (loadgen.add_starts)."""
+    prefills in each level from the server's prefill records (loadgen.add_starts)."""
     lines = []
     near = [r for r in rows if r.get("near_starts")]
     if near:
@@ -460,9 +448,10 @@ def _starts_table(rows: list[dict]) -> list[str]:
     if not started:
         return lines
     lines += ["### The talker's starts", "",
-             "From the server's log: each start runs in pieces between the live conversations' ticks, "
-             "which wait for a piece at a time; its longest piece, and the whole start, p50 / max (ms).", "",
-             "| conversations | starts | longest piece p50 / max (ms) | whole start p50 / max (ms) |",
+             "From the server's prefill records: each start's prefill runs in chunks between the live "
+             "conversations' ticks, which wait for a chunk at a time; its longest chunk, and the whole "
+             "prefill, p50 / max (ms).", "",
+             "| conversations | starts | longest chunk p50 / max (ms) | whole prefill p50 / max (ms) |",
              "| ---: | ---: | ---: | ---: |"]
     for r in started:
         s = r["starts"]
@@ -491,18 +480,18 @@ def _each_start_table(near: list[dict]) -> list[str]:
 
 
 def _each_prefill_table(started: list[dict]) -> list[str]:
-    """Each start of more than one piece (a prefill) on its own, from the server's log and the
+    """Each prefill of more than one chunk on its own, from the server's prefill records and the
     talker's frame trace (loadgen.add_starts, ticks.during)."""
     levels = [r for r in started if r["starts"].get("each")]
     if not levels:
         return []
-    lines = ["Each prefill on its own: when it ended (s into the level), the whole and its pieces from the "
-             "log (each piece as the engine's loop waited for it, after `begin_starts`, a round trip to the "
+    lines = ["Each prefill on its own: when it ended (s into the level), the whole and its chunks from its "
+             "record (each chunk as the engine's loop waited for it, after `begin_prefills`, a round trip to the "
              "talker's process where it has one); from the talker's trace, the gaps over 1 ms between its ticks "
-             "(a piece it waited for, or no frame waiting) and "
-             "its ticks from the one before the start to the one after (a piece whose GPU work it did not "
+             "(a chunk it waited for, or no frame waiting) and "
+             "its ticks from the one before the prefill to the one after (a chunk whose GPU work it did not "
              "wait for lengthens the next tick), ms.", "",
-             "| conversations | ended (s) | whole (ms) | begun in (ms) | pieces (ms) | longest (ms) "
+             "| conversations | ended (s) | whole (ms) | begun in (ms) | chunks (ms) | longest (ms) "
              "| gaps between ticks (ms) | ticks (ms) |",
              "| ---: | ---: | ---: | ---: | --- | ---: | --- | --- |"]
     for r in levels:

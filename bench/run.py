@@ -60,11 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="without --url: a model parameter of the server it starts (on a copy of the model "
                              "repository), e.g. speech.prefill_chunk_spacing=1")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    parser.add_argument("--server-log", type=Path,
-                        help="with --url: that server's log, if on this machine (pool sizes, Mimi runtimes)")
     parser.add_argument("--metrics-url",
-                        help="with --url: that server's metrics host:port, for the stubs' garbage collections over "
-                             "each load level (default: --url's host, port 8002; 'none': not read)")
+                        help="with --url: that server's metrics host:port, for what each stage took at load (pool "
+                             "sizes, Mimi runtimes) and the stubs' garbage collections over each load level "
+                             "(default: --url's host, port 8002; 'none': not read)")
     parser.add_argument("--name", help="machine part of the file names (default: from this machine's CPU / GPU)")
     report.add_commit_argument(parser)
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
@@ -151,8 +150,7 @@ def main(argv=None) -> int:
         if server_pid is None and (args.host_noise or args.freeze_once):
             raise SystemExit(f"--host-noise / --freeze-once: no tritonserver serving {args.url} on this host")
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
-                      server_log=args.server_log, metrics_url=None if metrics_url == "none" else metrics_url,
-                      server_pid=server_pid, pins=None)
+                      metrics_url=None if metrics_url == "none" else metrics_url, server_pid=server_pid, pins=None)
     available = sorted(os.sched_getaffinity(0))
     try:
         pins = host_cpu.pin_plan(available, args.pin_server, False if args.no_pin else None)
@@ -173,8 +171,7 @@ def main(argv=None) -> int:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
         return _bench(args, server.grpc_url, where, started, clock, local=True,
-                      server_log=args.out / "tritonserver.log", metrics_url=server.metrics_url,
-                      server_pid=server.tritonserver_pid(), pins=pins)
+                      metrics_url=server.metrics_url, server_pid=server.tritonserver_pid(), pins=pins)
 
 
 def _with_parameters(repository: Path, overrides: dict[str, str], scratch: Path) -> Path:
@@ -186,11 +183,10 @@ def _with_parameters(repository: Path, overrides: dict[str, str], scratch: Path)
     return copy
 
 
-def _bench(args, url: str, where: str, started, clock: float, local: bool, server_log: Path | None = None,
-           metrics_url: str | None = None, server_pid: int | None = None,
-           pins: tuple[list[int], list[int]] | None = None) -> int:
-    info = report.server_info(url, server_log)
-    slots = info["talker"]["max_conversations"]  # None: auto, on a server whose log is not at hand
+def _bench(args, url: str, where: str, started, clock: float, local: bool, metrics_url: str | None = None,
+           server_pid: int | None = None, pins: tuple[list[int], list[int]] | None = None) -> int:
+    info = report.server_info(url, metrics_url)
+    slots = info["talker"]["max_conversations"]  # None: auto, on a server whose metrics are not at hand
     if "perf-analyzer" in args.stages and slots is not None and max(args.pa_concurrency) > slots:
         raise SystemExit(f"--pa-concurrency {max(args.pa_concurrency)}: the server's talker has {slots} "
                          "conversation slots (max_conversations); more would be refused")
@@ -236,8 +232,8 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, serve
         result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib,
-                                       server_log=server_log, metrics_url=metrics_url,
-                                       client_processes=args.client_processes, server_pid=server_pid, noise=noise)
+                                       metrics_url=metrics_url, client_processes=args.client_processes,
+                                       server_pid=server_pid, noise=noise)
         result["largest_held"] = stats.largest_held(result["load"])
     if "perf-analyzer" in args.stages:
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)

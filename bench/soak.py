@@ -199,7 +199,7 @@ def run(minutes: float, workers: int, idle_timeout_s: float, warmup_s: float, sa
                 time.sleep(sample_s)
             log(f"soak after the load {samples[-1]}")
             final_metrics = scrape(server.metrics_url)
-            info = report.server_info(server.grpc_url, server_log)
+            info = report.server_info(server.grpc_url, server.metrics_url)
             alive_at_end = server.process.poll() is None
     warm = next((s for s in samples if s["t_s"] >= warmup_s), samples[0])
     end = samples[-1]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without installing the package
 
-from personaplex_triton.core import loaders  # noqa: E402
+from personaplex_triton.core import loaders, tunables  # noqa: E402
 from personaplex_triton.mimi.artefacts import (  # noqa: E402
     file_sha256, metadata_path, onnx_path, plan_path, read_metadata, stale_reason)
 from personaplex_triton.serving.launch import model_parameter  # noqa: E402
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"cannot build the {stage} engine: {reason}")
         configured = model_parameter(STAGE_MODEL[stage], "max_conversations")
         # auto: the decoder's GPU pool, which no talker pool exceeds.
-        max_batch = args.max_batch or (int(configured) if configured.isdigit() else loaders.GPU_DECODER_SLOTS)
+        max_batch = args.max_batch or (int(configured) if configured.isdigit() else tunables.GPU_DECODER_SLOTS)
         target = plan_path(mimi_weights, stage)
         built = build(source, target, max_batch, args.precision, args.workspace_gb)
         onnx_meta = read_metadata(source)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from personaplex_stream import LiveLine, Persona, contract, stream_conversation
 from personaplex_stream.audio import read_wav, write_wav
+from personaplex_triton.core.metrics import stage_setups
 from personaplex_triton.core.paths import REPO_ROOT
 from personaplex_triton.serving.launch import TritonServer
-from personaplex_triton.serving.serving import warmed_in_log
 
 FRAME_MS = round(1000 * contract.FRAME_SAMPLES / contract.SAMPLE_RATE)
 
@@ -36,7 +36,7 @@ def main() -> int:
     log_path = args.out / "tritonserver.log"
     print(f"starting tritonserver (log: {log_path}) ...", flush=True)
     with TritonServer(log_path=log_path) as server:
-        warmed = warmed_in_log(log_path.read_text())
+        warmed = stage_setups(server.metrics_url, expect=("talker",))["talker"].warm_personas
         print(f"ready in {server.ready_s:.1f} s on {server.grpc_url}; "
               f"personas prefilled at load: {', '.join(warmed) or 'none'}")
         starts_at_once = args.voice in warmed and not args.prompt.strip()

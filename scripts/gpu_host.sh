@@ -182,7 +182,8 @@ serve() {
         sleep 1
     done
     echo "ready in $((SECONDS - started)) s; log $HOST/tritonserver.log"
-    grep -E "conversation slots|Mimi (en|de)coder on" "$HOST/tritonserver.log" || true
+    # what each stage took at load (core/metrics.py: pool, send threads, Mimi runtime, warm personas)
+    curl -s localhost:8002/metrics | grep -E "^personaplex_(conversation_slots|send_threads|mimi_runtime|kv_cache_dtype)" || true
 }
 
 gpu_tests() {
@@ -198,7 +199,7 @@ gpu_tests() {
 
 bench() {
     environment
-    local common=(--url localhost:8001 --server-log "$HOST/tritonserver.log" "$@")
+    local common=(--url localhost:8001 "$@")
     python -m bench.run "${common[@]}" --name "$(gpu_slug)" --stages load --conversations 1 8 16 32 48 64 76 96 \
         --seconds 30 --new-persona --trace-dir "$TRACE_DIR"
     python -m bench.run "${common[@]}" --name "$(gpu_slug)-perf-analyzer" --stages perf-analyzer --pa-concurrency 1 16 64
@@ -214,7 +215,7 @@ bench_long() {
     environment
     local n=${1:?bench-long needs N (conversations) and SECONDS} seconds=${2:?bench-long needs SECONDS}
     shift 2
-    python -m bench.run --url localhost:8001 --server-log "$HOST/tritonserver.log" --name "$(gpu_slug)-n$n-${seconds}s" \
+    python -m bench.run --url localhost:8001 --name "$(gpu_slug)-n$n-${seconds}s" \
         --stages load --conversations "$n" --seconds "$seconds" --persona-every 30 --trace-dir "$TRACE_DIR" "$@"
 }
 
@@ -271,7 +272,7 @@ case "${1:-}" in
     bench-long) shift; bench_long "$@" ;;
     engine) engine "${2:-}" ;;
     profile) shift; profile "$@" ;;
-    traces) mkdir -p "${2:?traces needs a folder}"  # the frame traces and the server's log (each start's stall)
+    traces) mkdir -p "${2:?traces needs a folder}"  # the frame and prefill traces and the server's log
         tar -C "$(dirname "$TRACE_DIR")" -cf - "$(basename "$TRACE_DIR")" tritonserver.log | xz -T0 -6 > "$2/trace.tar.xz" ;;
     run) shift; environment; "$@" ;;
     stop) stop ;;

@@ -3,14 +3,15 @@ imports this module from tests/, which the tests put on its PYTHONPATH."""
 
 import os
 
-from personaplex_triton.core.faults import SlotFault
-from personaplex_triton.engine.starts import StartJob
+from personaplex_triton.core.errors import SlotFault
+from personaplex_triton.engine.stage import Stage
+from personaplex_triton.engine.prefills import PrefillJob
 
 
-class EchoStage:
+class EchoStage(Stage):
     """Each slot answers item x with (x, its process id, how many items it has seen). A tick
     with the item "fault" fails naming its slot; "exit" ends the process, as a crash would.
-    A start's setup "pieces" starts in three pieces; a setup "bad" cannot start. A tick with
+    A prefill's setup "chunks" is prefilled in three chunks; a setup "bad" cannot be. A tick with
     the item "unsendable" answers what cannot be pickled, "unsendable event" emits it; stopping
     slot -1 fails."""
 
@@ -20,7 +21,7 @@ class EchoStage:
         self.seen = [0] * num_slots
         self.stopped = []
 
-    def start_many(self, setups):
+    def prefill_many(self, setups):
         failed = {}
         for slot, setup in setups.items():
             if setup == "bad":
@@ -30,15 +31,15 @@ class EchoStage:
                 self.emit("started", slot)
         return failed
 
-    def begin_starts(self, setups):
-        if "pieces" not in setups.values():
-            return StartJob.at_once(self.start_many, setups)
+    def begin_prefills(self, setups):
+        if "chunks" not in setups.values():
+            return PrefillJob.at_once(self.prefill_many, setups)
 
-        def pieces(failed):
+        def chunks(failed):
             for _ in range(2):
                 yield
-            failed.update(self.start_many(setups))
-        return StartJob(pieces)
+            failed.update(self.prefill_many(setups))
+        return PrefillJob(chunks)
 
     def stop(self, slot):
         if slot < 0:

@@ -8,7 +8,7 @@ import pytest
 
 from bench import loadgen, overhead, perf_analyzer, report, stats, workload
 from personaplex_stream import Persona
-from personaplex_triton.core import contract, loaders
+from personaplex_triton.core import contract, tunables
 
 
 def test_percentiles_and_late_frames():
@@ -255,13 +255,10 @@ def test_result_json_keeps_number_lists_on_one_line_and_reads_back():
     assert json.loads(text) == result and "[12.3,45.6,7.0]" in text and text.endswith("\n")
 
 
-def test_kv_dtype_from_the_log_else_the_parameters():
-    line = ("talker: 71 conversation slots (auto: 120.0 GiB free on the GPU, 1.52 GiB per conversation "
-            "(3000-frame float8_e4m3fn KV cache + Mimi state), 8 GiB kept back)")
-    assert report.kv_dtype({"kv_dtype": "auto"}, line) == "float8_e4m3fn"
-    assert report.kv_dtype({"kv_dtype": "bfloat16"}, "") == "bfloat16"
-    assert report.kv_dtype({"kv_dtype": "auto", "dtype": "float32"}, "") == "float32"
-    assert report.kv_dtype({"kv_dtype": "auto", "dtype": "auto"}, "").startswith("auto")
+def test_kv_dtype_from_the_parameters_where_the_metrics_do_not_say():
+    assert report.kv_dtype({"kv_dtype": "bfloat16"}) == "bfloat16"
+    assert report.kv_dtype({"kv_dtype": "auto", "dtype": "float32"}) == "float32"
+    assert report.kv_dtype({"kv_dtype": "auto", "dtype": "auto"}).startswith("auto")
 
 
 def test_aged_context_is_labelled_in_the_file_name_and_the_report():
@@ -303,7 +300,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     only those, the verdict names its reasons, the header its KV dtype and lengths."""
     from bench import run
 
-    assert run.main(["--url", server.grpc_url, "--server-log", str(server.log_path), "--stages", "load",
+    assert run.main(["--url", server.grpc_url, "--stages", "load",
                      "--conversations", "2", "--seconds", "3", "--aged-context", "10", "--persona-every", "1.5",
                      "--trace-dir", str(server.trace_dir), "--metrics-url", server.metrics_url,
                      "--out", str(tmp_path), "--name", "t"]) == 0
@@ -312,7 +309,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     stem = saved.name.removesuffix(report.LOAD_RESULT_SUFFIX)
     h = result["header"]
     assert (h["aged_context_frames"], h["conversation_s"], h["persona_every_s"]) == (10, 3.04, 1.5)
-    assert h["talker"]["kv_dtype"] and h["talker"]["max_conversations"] == loaders.CPU_TALKER_SLOTS
+    assert h["talker"]["kv_dtype"] and h["talker"]["max_conversations"] == tunables.CPU_TALKER_SLOTS
     assert h["talker"]["send_threads"] == h["code2wav"]["send_threads"] == 1  # a CPU's, from the log
     assert "; send threads: talker 1, code2wav 1" in (tmp_path / f"{stem}.md").read_text()
     [row] = result["load"]
@@ -331,7 +328,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     # 2 conversations at once, 3 where a late seat overlaps the next
     assert 1 <= talker["frames_per_tick_mean"] <= talker["frames_per_tick_max"] <= 3
     assert "trace" not in row  # the segments would count the aged frames; the ticks above do not
-    # the new persona's start, from the server's log (the aged ones started before the paced part)
+    # the new persona's start, from the server's prefill records (the aged ones started before the paced part)
     assert row["starts"]["count"] >= 1 and 0 < row["starts"]["longest_piece_ms_max"] <= row["starts"]["ms_max"]
     text = (tmp_path / f"{stem}.md").read_text()
     assert "aged context (10 frames)" in text and "does not stand for" in text and "### Ticks" in text
@@ -345,7 +342,7 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert near["own"]["frames"] > 0 and sum(near[g]["frames"] for g in ("near", "own", "elsewhere")) == 62
     [start] = near["each"]  # the one new persona's, on its own: the same frames as "near"
     assert start["start_s"] == 1.5 and {k: start[k] for k in ("frames", "late", "over_160")} == near["near"]
-    prefills = row["starts"]["each"]  # its prefill, in pieces, with the talker's ticks around it
+    prefills = row["starts"]["each"]  # its prefill, in chunks, with the talker's ticks around it
     assert prefills and all(p["pieces"] > 1 and p["ticks_ms"] and all(ms > 0 for ms in p["ticks_ms"]) for p in prefills)
     assert all(len(p["pieces_ms"]) == p["pieces"] and p["begin_ms"] >= 0 for p in prefills)  # as the loop saw them
     assert "Each new persona's start" in text and "Each prefill on its own" in text
@@ -406,7 +403,7 @@ def test_bench_run_pins_its_own_server_counts_every_role_and_reports_the_recover
 def test_a_level_past_the_pool_counts_its_refused_start_and_fails_none(server):
     """One conversation more than the talker's slots: the server's refusal is recognised as one
     at capacity, counted, and not a failed start under capacity; the served frames are traced."""
-    pool = report.server_info(server.grpc_url, server.log_path)["talker"]["max_conversations"]
+    pool = report.server_info(server.grpc_url, server.metrics_url)["talker"]["max_conversations"]
     [row] = loadgen.sweep(server.grpc_url, 4, [pool + 1], log=lambda _: None, pool=pool, trace_dir=server.trace_dir)
     assert (row["failed"], row["refused_at_capacity"], row["failed_under_capacity"]) == (1, 1, 0)
     assert f"1 starts refused at capacity (pool {pool})" in row["why"] and row["frames"] == 4 * pool

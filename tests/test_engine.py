@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from personaplex_triton.engine.engine import ConversationError, SlotEngine
-from personaplex_triton.engine.starts import StartJob
+from personaplex_triton.engine.stage import Stage
+from personaplex_triton.engine.prefills import PrefillJob
 from polling import wait_for
 
 
-class CountingStage:
+class CountingStage(Stage):
     """Each slot answers item x with (x, how many items the slot has seen). A start with the
     setup "held" lasts until `release` is set (`holding` says one has begun), as the talker's
     start lasts its persona's prefill: what is submitted meanwhile queues up. Each tick sleeps
@@ -24,10 +25,10 @@ class CountingStage:
         self.seen = [0] * num_slots
         self.fail_on = None
         self.batch_sizes = []
-        self.starts = []  # the slots of each start_many call
+        self.starts = []  # the slots of each prefill_many call
         self.holding, self.release = threading.Event(), threading.Event()
 
-    def start_many(self, setups):
+    def prefill_many(self, setups):
         self.starts.append(sorted(setups))
         failed = {}
         for slot, setup in setups.items():
@@ -226,7 +227,8 @@ def test_restart_resets_an_idle_conversation(engine):
 
 
 # -- faults, limits of time, health -------------------------------------------------------
-from personaplex_triton.core.faults import FaultPlan, SlotFault  # noqa: E402
+from personaplex_triton.core.errors import SlotFault  # noqa: E402
+from personaplex_triton.core.fault_injection import FaultPlan  # noqa: E402
 from personaplex_triton.core.metrics import Metrics  # noqa: E402
 
 
@@ -334,7 +336,7 @@ def test_a_step_that_cannot_be_repeated_ends_its_conversations_without_a_retry()
     the conversations twice; they get the error, and out of memory turns newcomers away."""
     import pickle
 
-    from personaplex_triton.core.faults import StepNotRepeatable
+    from personaplex_triton.core.errors import StepNotRepeatable
 
     fault = pickle.loads(pickle.dumps(StepNotRepeatable("decoding the tick's audio failed", out_of_memory=True)))
     assert str(fault) == "decoding the tick's audio failed" and fault.out_of_memory  # crosses a stage's pipe
@@ -738,25 +740,25 @@ def test_send_threads_deliver_at_once_each_conversation_in_order():
         SlotEngine(CountingStage(1), send_threads=0)
 
 
-class PiecewiseStage(CountingStage):
-    """Starts in pieces (`begin_starts`), `piece_s` each; a "broken" setup fails at its second
-    piece. `log` says what ran in order: ("piece", slots), ("tick", slots), ("stop", slot)."""
+class ChunkedPrefillStage(CountingStage):
+    """Prefills in chunks (`begin_prefills`), `chunk_s` each; a "broken" setup fails at its second
+    chunk. `log` says what ran in order: ("chunk", slots), ("tick", slots), ("stop", slot)."""
 
-    def __init__(self, num_slots, pieces=5, piece_s=0.01):
+    def __init__(self, num_slots, chunks=5, chunk_s=0.01):
         super().__init__(num_slots, tick_s=0.002)
-        self.pieces, self.piece_s, self.log = pieces, piece_s, []
+        self.chunks, self.chunk_s, self.log = chunks, chunk_s, []
 
-    def begin_starts(self, setups):
-        def pieces(failed):
-            for i in range(self.pieces):
-                self.log.append(("piece", sorted(setups)))
+    def begin_prefills(self, setups):
+        def chunks(failed):
+            for i in range(self.chunks):
+                self.log.append(("chunk", sorted(setups)))
                 if i == 1 and "broken" in setups.values():
                     raise RuntimeError("broken persona")
-                time.sleep(self.piece_s)
+                time.sleep(self.chunk_s)
                 yield
             for slot in setups:
                 self.seen[slot] = 0
-        return StartJob(pieces)
+        return PrefillJob(chunks)
 
     def tick(self, items):
         self.log.append(("tick", sorted(items)))
@@ -766,10 +768,10 @@ class PiecewiseStage(CountingStage):
         self.log.append(("stop", slot))
 
 
-def test_a_start_in_pieces_lets_the_live_conversations_tick_between_them():
-    """While a conversation starts in pieces, the live one's frames tick between the pieces;
-    the newcomer's frames wait for its start's last piece, then all come, in order."""
-    stage = PiecewiseStage(2)
+def test_a_prefill_in_chunks_lets_the_live_conversations_tick_between_them():
+    """While a conversation is prefilled in chunks, the live one's frames tick between the chunks;
+    the newcomer's frames wait for its prefill's last chunk, then all come, in order."""
+    stage = ChunkedPrefillStage(2)
     engine = SlotEngine(stage)
     try:
         live, newcomer = live_conversation(engine, 40), Collector()
@@ -777,18 +779,41 @@ def test_a_start_in_pieces_lets_the_live_conversations_tick_between_them():
         engine.submit(2, list(range(5)), newcomer.on_output, newcomer.on_done)
         live.wait(), newcomer.wait()
         assert [x for x, _ in live.outputs] == list(range(40)) and [x for x, _ in newcomer.outputs] == list(range(5))
-        pieces = [i for i, entry in enumerate(stage.log) if entry == ("piece", [1])]  # the newcomer's slot
-        ticks_between = [slots for what, slots in stage.log[pieces[0]:pieces[-1]] if what == "tick"]
-        assert len(pieces) == 5 and ticks_between and all(slots == [0] for slots in ticks_between)
-        assert all(1 not in slots for what, slots in stage.log[:pieces[-1]] if what == "tick")
+        chunks = [i for i, entry in enumerate(stage.log) if entry == ("chunk", [1])]  # the newcomer's slot
+        ticks_between = [slots for what, slots in stage.log[chunks[0]:chunks[-1]] if what == "tick"]
+        assert len(chunks) == 5 and ticks_between and all(slots == [0] for slots in ticks_between)
+        assert all(1 not in slots for what, slots in stage.log[:chunks[-1]] if what == "tick")
     finally:
         engine.shutdown()
 
 
-def test_a_start_that_fails_in_a_piece_ends_its_conversation_only():
-    """A piece that raises fails the conversations of its start (those admitted with it), not
+def test_each_prefill_is_recorded_with_its_chunks(tmp_path, monkeypatch):
+    """With the trace on, each prefill an engine ran is a record (trace.read_prefills): the
+    conversations prefilled together, each chunk as the loop waited for it, within the whole."""
+    from personaplex_triton.core import trace
+
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path))
+    stage = ChunkedPrefillStage(2, chunks=3, chunk_s=0.01)
+    engine = SlotEngine(stage, name="talker")
+    try:
+        live = live_conversation(engine, 20)
+        engine.open(2, None)
+        assert run(engine, 2, ["x"]).outputs == [("x", 1)]
+        live.wait()
+    finally:
+        engine.shutdown()
+    first, second = trace.read_prefills(tmp_path, "talker")
+    # the stage's 3 yields make 4 chunks: the loop's last call runs the work after the last yield
+    assert (first.conversations, first.chunks, second.conversations, second.chunks, second.live) == (1, 4, 1, 4, 2)
+    assert first.ended <= second.ended and sum(chunk >= 0.01 for chunk in second.chunks_s) == 3
+    assert second.longest_chunk_s == max(second.chunks_s) and sum(second.chunks_s) <= second.duration_s
+    assert trace.read_prefills(tmp_path, "code2wav") == [] and trace.read(tmp_path, "talker")  # frames apart
+
+
+def test_a_prefill_that_fails_in_a_chunk_ends_its_conversation_only():
+    """A chunk that raises fails the conversations of its prefill (those admitted with it), not
     the live ones."""
-    stage = PiecewiseStage(2)
+    stage = ChunkedPrefillStage(2)
     engine = SlotEngine(stage)
     try:
         engine.open(1, None)
@@ -801,61 +826,61 @@ def test_a_start_that_fails_in_a_piece_ends_its_conversation_only():
         engine.shutdown()
 
 
-def test_a_conversation_closed_while_it_starts_frees_its_slot_after_the_start():
-    """Its slot is not freed (the stage's stop) while its start may still write into it."""
-    stage = PiecewiseStage(1, piece_s=0.05)
+def test_a_conversation_closed_while_it_prefills_frees_its_slot_after_the_prefill():
+    """Its slot is not freed (the stage's stop) while its prefill may still write into it."""
+    stage = ChunkedPrefillStage(1, chunk_s=0.05)
     engine = SlotEngine(stage)
     try:
         engine.open(1, None)
-        assert wait_for(lambda: stage.log, every_s=0.05)  # its start under way
+        assert wait_for(lambda: stage.log, every_s=0.05)  # its prefill under way
         c = Collector()
         engine.submit(1, [], c.on_output, c.on_done, close=True)
         c.wait()
         deadline = time.monotonic() + 10
         while ("stop", 0) not in stage.log and time.monotonic() < deadline:
             time.sleep(0.01)
-        pieces = [i for i, (what, _) in enumerate(stage.log) if what == "piece"]
-        assert len(pieces) == 5 and stage.log.index(("stop", 0)) > pieces[-1]  # conversation 2's come after
+        chunks = [i for i, (what, _) in enumerate(stage.log) if what == "chunk"]
+        assert len(chunks) == 5 and stage.log.index(("stop", 0)) > chunks[-1]  # conversation 2's come after
         engine.open(2, None)  # the slot is free again
         assert run(engine, 2, ["z"]).outputs == [("z", 1)]
     finally:
         engine.shutdown()
 
 
-def test_starts_under_way_take_turns_a_piece_a_tick():
-    """Two conversations starting at once (admitted in different passes): each pass runs one
-    piece of one of them, so a live conversation's tick waits for one piece, never two."""
-    stage = PiecewiseStage(3, pieces=6, piece_s=0.03)
+def test_prefills_under_way_take_turns_a_chunk_a_tick():
+    """Two conversations prefilling at once (admitted in different passes): each pass runs one
+    chunk of one of them, so a live conversation's tick waits for one chunk, never two."""
+    stage = ChunkedPrefillStage(3, chunks=6, chunk_s=0.03)
     engine = SlotEngine(stage)
     try:
         live = live_conversation(engine, 300)
         engine.open(2, None)
-        assert wait_for(lambda: ("piece", [1]) in stage.log, every_s=0.05)
+        assert wait_for(lambda: ("chunk", [1]) in stage.log, every_s=0.05)
         engine.open(3, None)
         for key in (2, 3):
             assert run(engine, key, ["x"]).outputs == [("x", 1)]
         live.wait()
-        entries = stage.log[stage.log.index(("piece", [1])):]
-        last = max(i for i, (what, _) in enumerate(entries) if what == "piece")
-        assert ("piece", [1]) in entries and ("piece", [2]) in entries
-        assert not any(a[0] == b[0] == "piece" for a, b in zip(entries[:last], entries[1:last + 1]))
+        entries = stage.log[stage.log.index(("chunk", [1])):]
+        last = max(i for i, (what, _) in enumerate(entries) if what == "chunk")
+        assert ("chunk", [1]) in entries and ("chunk", [2]) in entries
+        assert not any(a[0] == b[0] == "chunk" for a, b in zip(entries[:last], entries[1:last + 1]))
     finally:
         engine.shutdown()
 
 
-def test_a_drain_answers_a_conversation_whose_start_is_under_way():
-    """Shutdown while a start runs in pieces: the start goes on to its end, then its pending
+def test_a_drain_answers_a_conversation_whose_prefill_is_under_way():
+    """Shutdown while a prefill runs in chunks: the prefill goes on to its end, then its pending
     frames are answered, within the drain."""
-    stage = PiecewiseStage(1, pieces=6, piece_s=0.05)
+    stage = ChunkedPrefillStage(1, chunks=6, chunk_s=0.05)
     engine = SlotEngine(stage)
     engine.open(1, None)
     pending = Collector()
     engine.submit(1, ["a", "b"], pending.on_output, pending.on_done)
-    assert wait_for(lambda: stage.log, every_s=0.05)  # its start under way
+    assert wait_for(lambda: stage.log, every_s=0.05)  # its prefill under way
     engine.shutdown(drain_s=10)
     pending.wait()
     assert pending.outputs == [("a", 1), ("b", 2)] and pending.errors == [None]
-    assert sum(entry == ("piece", [0]) for entry in stage.log) == 6
+    assert sum(entry == ("chunk", [0]) for entry in stage.log) == 6
 
 
 class SpinOrSleepStage(CountingStage):
@@ -892,30 +917,30 @@ def test_the_frame_trace_keeps_the_ticks_cpu_time(tmp_path, monkeypatch):
     assert sleep["tick_cpu"] < 0.02
 
 
-def test_a_starts_later_pieces_wait_for_two_ticks_while_live_frames_wait_and_not_otherwise():
-    """`piece_spacing_ticks` 2 (the talker's): while a live conversation's frames wait, two of
-    its ticks run between two pieces of a start (its first piece at once, as before); with no
-    live frames the pieces run one after another."""
-    stage = PiecewiseStage(2, pieces=5, piece_s=0.005)
-    engine = SlotEngine(stage, piece_spacing_ticks=2)
+def test_a_prefills_later_chunks_wait_for_two_ticks_while_live_frames_wait_and_not_otherwise():
+    """`chunk_spacing_ticks` 2 (the talker's): while a live conversation's frames wait, two of
+    its ticks run between two chunks of a prefill (its first chunk at once, as before); with no
+    live frames the chunks run one after another."""
+    stage = ChunkedPrefillStage(2, chunks=5, chunk_s=0.005)
+    engine = SlotEngine(stage, chunk_spacing_ticks=2)
     try:
         live = live_conversation(engine, 60)
         engine.open(2, None)
         assert run(engine, 2, ["x"]).outputs == [("x", 1)]
         live.wait()
-        pieces = [i for i, entry in enumerate(stage.log) if entry == ("piece", [1])]
-        assert len(pieces) == 5
-        between = [sum(what == "tick" for what, _ in stage.log[a + 1:b]) for a, b in zip(pieces, pieces[1:])]
+        chunks = [i for i, entry in enumerate(stage.log) if entry == ("chunk", [1])]
+        assert len(chunks) == 5
+        between = [sum(what == "tick" for what, _ in stage.log[a + 1:b]) for a, b in zip(chunks, chunks[1:])]
         assert all(n >= 2 for n in between), between
 
-        stage.log.clear()  # alone: nothing waits, so nothing spaces the pieces
+        stage.log.clear()  # alone: nothing waits, so nothing spaces the chunks
         engine.submit(1, [], None, lambda _: None, close=True)
         assert wait_for(lambda: ("stop", 0) in stage.log, every_s=0.05)
         engine.open(3, None)
         assert run(engine, 3, ["y"]).outputs == [("y", 1)]
-        pieces = [i for i, entry in enumerate(stage.log) if entry[0] == "piece"]
-        assert len(pieces) == 5 and pieces == list(range(pieces[0], pieces[0] + 5)), stage.log
+        chunks = [i for i, entry in enumerate(stage.log) if entry[0] == "chunk"]
+        assert len(chunks) == 5 and chunks == list(range(chunks[0], chunks[0] + 5)), stage.log
     finally:
         engine.shutdown()
-    with pytest.raises(ValueError, match="between a start's pieces must be at least 1, got 0"):
-        SlotEngine(CountingStage(1), piece_spacing_ticks=0)
+    with pytest.raises(ValueError, match="between a prefill's chunks must be at least 1, got 0"):
+        SlotEngine(CountingStage(1), chunk_spacing_ticks=0)

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from personaplex_stream import Persona, ServerError, is_final_response, stream_conversation
-from personaplex_triton.core import contract, loaders
+from personaplex_triton.core import contract, tunables
 from personaplex_triton.core.metrics import scrape, series_labels
 from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 from personaplex_triton.serving import health, model_configs
@@ -97,7 +97,7 @@ def test_malformed_and_over_limit_requests_get_clear_errors(faulty, healthy_alon
          "TEXT_PROMPT has 200000 characters; the limit is 4000"),
         (FRAME, [tensor(contract.TEXT_PROMPT, np.array([b"hello there " * 300]))], True, True,
          "tokens long; the limit is 256"),
-        (np.zeros((loaders.MAX_FRAMES_PER_REQUEST + 1) * contract.FRAME_SAMPLES, np.float32), start, True, True,
+        (np.zeros((tunables.MAX_FRAMES_PER_REQUEST + 1) * contract.FRAME_SAMPLES, np.float32), start, True, True,
          "holds 126 frames; the limit is 125 per request"),
         (FRAME, [tensor(contract.TOP_K, np.array([501], np.int32))], True, True, r"TOP_K must lie in [1, 500]"),
         (FRAME, [tensor(contract.TOP_K_TEXT, np.array([0], np.int32))], True, True, "TOP_K_TEXT must lie in [1, 500]"),

@@ -49,7 +49,7 @@ def our_tokens(checkpoint: Path, voice: str) -> list[list[int]]:
     tokenizer = loaders.get_tokenizer(files)
     talker = Talker(loaders.get_lm(files), open_step("encoder", files), tokenizer, 1)
     persona = Persona(load_voice(files.voices / voice), system_prompt_tokens(tokenizer, PROMPT))
-    talker.start(0, TalkerSetup(persona, SamplingParams(greedy=True)))
+    talker.prefill(0, TalkerSetup(persona, SamplingParams(greedy=True)))
     frames = audio.split_frames(audio.read_wav(USER_WAV))
     tokens = []
     while len(tokens) < len(frames):

@@ -222,11 +222,11 @@ def test_the_talkers_encode_on_a_stream_of_its_own_gives_the_same_tokens(files):
         for sampling in (SamplingParams(greedy=True), SamplingParams(seed=8)):
             runs = []
             for talker in talkers:
-                talker.start(0, TalkerSetup(Persona(voice, ()), sampling))
+                talker.prefill(0, TalkerSetup(Persona(voice, ()), sampling))
                 answers = []
                 for i, frame in enumerate(frames):
                     if i == 5:
-                        talker.start(3, TalkerSetup(Persona(voice, ()), SamplingParams(seed=3)))
+                        talker.prefill(3, TalkerSetup(Persona(voice, ()), SamplingParams(seed=3)))
                     out = talker.tick({0: frame, **({3: frame[::-1].copy()} if i >= 5 else {})})
                     answers.append([(s, step.text_token, tuple(map(int, step.codes))) for s, step in sorted(out.items())])
                 talker.settle()
@@ -265,8 +265,8 @@ def test_a_graphed_tick_makes_few_pytorch_calls(files):
         calls = {}
         for rows in (1, SLOTS):
             for slot in range(rows):
-                talker.start(slot, TalkerSetup(Persona(voice, ()), SamplingParams(seed=slot)))
-                decoder.start(slot)
+                talker.prefill(slot, TalkerSetup(Persona(voice, ()), SamplingParams(seed=slot)))
+                decoder.prefill(slot)
             frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(rows)}
             codes = {s: CodesFrame(rng.integers(0, 2048, 8)) for s in range(rows)}
             talker.tick(frames)  # a first tick leaves an encode for the next one to settle
@@ -339,9 +339,9 @@ def test_a_start_in_pieces_under_cuda_graphs_gives_the_tokens_of_a_start_at_once
             for slot, step in talker.tick(items).items():
                 answers[slot].append((step.text_token, tuple(map(int, step.codes))))
 
-        talker.start(1, live)
+        talker.prefill(1, live)
         tick({1: frames[0]})
-        job, pieces = talker.begin_starts({2: new}), 0
+        job, pieces = talker.begin_prefills({2: new}), 0
         while not job.advance():
             pieces += 1
             if interleaved:
@@ -385,10 +385,10 @@ def test_a_graphed_prefill_leaves_the_slot_as_an_eager_one(files):
         assert len(prefill) == 64
         assert prefill.lengths(100) == [64, 36]
         setup = TalkerSetup(persona, SamplingParams(greedy=True))
-        talker.start(1, setup)
+        talker.prefill(1, setup)
         graphed = talker.generator.snapshot(1)
         prefill.clear()  # the same passes, eagerly
-        talker.start(2, setup)
+        talker.prefill(2, setup)
         eager = talker.generator.snapshot(2)
         graphed, eager = snapshot_tensors(graphed), snapshot_tensors(eager)
         assert graphed.keys() == eager.keys() and "kv" in graphed
@@ -423,7 +423,7 @@ def test_a_starts_graphed_reset_and_embeddings_are_the_eager_ones(lm):
     the live ticks: they leave the streaming state, and give the embeddings, bit for bit as
     moshi's reset and the eager embedding do; a prefill longer than the graph's buffer runs
     eagerly."""
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import tunables
 
     gen = SlotGenerator(lm, SLOTS, cuda_graphs=True)
     try:
@@ -446,7 +446,7 @@ def test_a_starts_graphed_reset_and_embeddings_are_the_eager_ones(lm):
         assert all(torch.equal(graphed[name], live[name]) for name in live), \
             [name for name in live if not torch.equal(graphed[name], live[name])]
 
-        for positions in (100, loaders.MAX_PREFILL_POSITIONS, loaders.MAX_PREFILL_POSITIONS + 1):
+        for positions in (100, tunables.MAX_PREFILL_POSITIONS, tunables.MAX_PREFILL_POSITIONS + 1):
             tokens = torch.randint(0, 2048, (positions, 17), generator=torch.Generator().manual_seed(positions))
             embedded = gen.embed_prefill(tokens)
             assert embedded.shape == (positions, 1, lm.dim) and torch.equal(embedded, gen.embed(tokens.cuda()))

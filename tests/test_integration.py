@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from personaplex_stream import Persona, ServerError, stream_conversation
-from personaplex_triton.core import audio, contract, loaders
-from personaplex_triton.serving.serving import send_threads_in_log, slots_in_log
+from personaplex_triton.core import audio, contract, loaders, tunables
+from personaplex_triton.core.metrics import stage_setups
 from polling import wait_for
 from triton_requests import active, raw_request, voice_input
 
@@ -23,8 +23,8 @@ PROMPT = "You are a wise and friendly teacher. Answer questions or provide advic
 
 
 def pool_size(server, model: str) -> int:
-    """The slots the server's stage took (max_conversations is auto), from its log."""
-    return slots_in_log(server.log_path.read_text())[model]
+    """The slots the server's stage took (max_conversations is auto), from its metrics."""
+    return stage_setups(server.metrics_url, expect=(model,))[model].slots
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +55,8 @@ def in_process(server, tiny_checkpoint):
     library = PersonaLibrary(files, tokenizer)
 
     def run(pcm, voice, prompt, seed):
-        talker.start(0, TalkerSetup(library.persona(voice, prompt), SamplingParams(seed=seed)))
-        decoder.start(0)
+        talker.prefill(0, TalkerSetup(library.persona(voice, prompt), SamplingParams(seed=seed)))
+        decoder.prefill(0)
         frames = audio.split_frames(pcm)
         out, text = [], []
         while len(out) < len(frames):
@@ -146,6 +146,7 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
         workers = {model: [pid for stub in server.stub_pids(model) for pid, argv in child_processes(stub).items()
                            if "personaplex_triton.engine.stage_process" in " ".join(argv)]
                    for model in ("talker", "code2wav")}
+        setups = stage_setups(server.metrics_url, expect=("talker", "code2wav"))
     assert a.frames_received == FIVE_SECONDS and b.frames_received == len(audio.split_frames(other_audio))
     assert a.text_pieces == solo.text_pieces
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
@@ -155,8 +156,8 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
     log = server.log_path.read_text()
     assert "talker: the stage runs in process" in log and "code2wav: the stage runs in process" in log
     # send_threads auto: several where the stage ticks in a process of its own
-    assert send_threads_in_log(log) == {"talker": loaders.STAGE_PROCESS_SEND_THREADS,
-                                        "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}
+    assert {model: setup.send_threads for model, setup in setups.items()} == {
+        "talker": tunables.STAGE_PROCESS_SEND_THREADS, "code2wav": tunables.STAGE_PROCESS_SEND_THREADS}
 
 
 ONE_STUB_SETTINGS = {  # id: the speech model's parameters set
@@ -169,8 +170,9 @@ ONE_STUB_SETTINGS = {  # id: the speech model's parameters set
 def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, solo, user_audio, tmp_path, settings):
     """model_repository_one_stub (both stages in one stub, `speech`, behind the same `ensemble`):
     two conversations at once get every frame, in order, the first exactly what the two-stub
-    server gives it; its log names both stages' pools and Mimi runtimes, as the bench reads them.
-    One engine's tick steps both stages, with `stage_process` in the stub's one child process."""
+    server gives it; its metrics give both stages' pools, send threads and Mimi runtimes (as the
+    bench reads them), its log the same for people. One engine's tick steps both stages, with
+    `stage_process` in the stub's one child process."""
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
     from personaplex_triton.serving import model_configs
     from personaplex_triton.serving.launch import TritonServer, child_processes
@@ -186,19 +188,22 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
         workers = [pid for pid, argv in child_processes(server.stub_pids()[0]).items()
                    if "personaplex_triton.engine.stage_process" in " ".join(argv)]
         log = server.log_path.read_text()
+        setups = stage_setups(server.metrics_url, expect=("talker", "code2wav"))
     assert a.frames_received == FIVE_SECONDS and b.frames_received == len(audio.split_frames(other_audio))
     assert a.text_pieces == solo.text_pieces
     np.testing.assert_allclose(a.audio, solo.audio, atol=1e-4)
-    assert set(slots_in_log(log)) == {"talker", "code2wav"}
+    assert set(setups) == {"talker", "code2wav"} and all(setup.slots >= 1 for setup in setups.values())
+    assert {model: (setup.mimi_part, setup.mimi_runtime) for model, setup in setups.items()} == {
+        "talker": ("encoder", "onnxruntime"), "code2wav": ("decoder", "onnxruntime")}
     assert "talker: Mimi encoder on" in log and "code2wav: Mimi decoder on" in log
     assert "one tick steps the talker and decodes its frames" in log
     if "speech.stage_process=true" in settings:
         assert len(workers) == 1 and "speech: the stage runs in process" in log
-        assert send_threads_in_log(log) == {"talker": loaders.STAGE_PROCESS_SEND_THREADS,
-                                            "code2wav": loaders.STAGE_PROCESS_SEND_THREADS}
+        assert {model: setup.send_threads for model, setup in setups.items()} == {
+            "talker": tunables.STAGE_PROCESS_SEND_THREADS, "code2wav": tunables.STAGE_PROCESS_SEND_THREADS}
     else:
         assert workers == []  # auto, on a CPU: the stages tick in the stub
-        assert send_threads_in_log(log) == {"talker": 1, "code2wav": 1}
+        assert {model: setup.send_threads for model, setup in setups.items()} == {"talker": 1, "code2wav": 1}
 
 
 @pytest.mark.parametrize("change", [dict(seed=99), dict(voice="NATM0"), dict(text_prompt="Talk about cooking.")])
@@ -310,33 +315,41 @@ def test_realtime_pacing(server):
     assert abs(drift[-1]) < 0.25
 
 
-def test_each_stage_logs_the_mimi_runtime_it_runs(server):
-    from bench.report import mimi_runtimes_in_log
-
+def test_each_stage_reports_what_it_took_at_load(server):
+    """Its pool, send threads, Mimi runtime and (the talker) warm personas and KV dtype, as
+    metrics of its model; the log says the same for people."""
+    setups = stage_setups(server.metrics_url, expect=("talker", "code2wav"))
     # auto on a CPU with `make export` done: ONNX Runtime for both halves of Mimi.
-    assert mimi_runtimes_in_log(server.log_path) == {"talker": "onnxruntime", "code2wav": "onnxruntime"}
+    assert {model: (setup.mimi_part, setup.mimi_runtime) for model, setup in setups.items()} == {
+        "talker": ("encoder", "onnxruntime"), "code2wav": ("decoder", "onnxruntime")}
+    talker, code2wav = setups["talker"], setups["code2wav"]
+    assert talker.slots >= 1 and code2wav.slots >= talker.slots and talker.send_threads == code2wav.send_threads == 1
+    assert talker.kv_dtype == "float32" and code2wav.kv_dtype is None and code2wav.warm_personas == ()
+    # warm_personas "all": every voice of the checkpoint the talker's persona cache holds
+    assert "NATF0" in talker.warm_personas
+    log = server.log_path.read_text()
+    assert f"talker: {talker.slots} conversation slots (" in log
+    assert "talker: personas prefilled at load: " in log
 
 
-def test_the_librarys_log_reaches_the_servers_log(server, solo):
-    """The engine's log records reach tritonserver's log at their level (before, the stub dropped
-    INFO records), each start with its pieces and the longest: how long the live conversations'
-    frames waited for it. `starts_in_log` reads them back, when each ended among them."""
+def test_each_prefill_is_recorded_and_logged(server, solo):
+    """Each prefill an engine ran is a typed record in the server's traces (trace.read_prefills):
+    its conversations, its chunks and the longest (how long the live conversations' frames
+    waited for it), within its whole; the engine's log line for people reaches tritonserver's log
+    at its level (before, the stub dropped INFO records)."""
     import time
 
-    from personaplex_triton.serving.serving import starts_in_log
+    from personaplex_triton.core.trace import read_prefills
 
-    text = server.log_path.read_text()
-    assert "personaplex_triton.engine.engine_loop: talker: started 1 conversation(s) in " in text
-    starts = starts_in_log(text, time.localtime().tm_year)
-    assert {start["stage"] for start in starts} == {"talker", "code2wav"}
-    assert all(start["conversations"] >= 1 and start["pieces"] >= 1 and start["ms"] >= start["longest_ms"]
-               and time.time() - 3600 < start["at"] <= time.time() for start in starts)
-    # each piece as the loop waited for it, after the start was begun: within the whole
-    assert all(len(start["pieces_ms"]) == start["pieces"] and max(start["pieces_ms"]) == start["longest_ms"]
-               and start["begin_ms"] + sum(start["pieces_ms"]) <= start["ms"] + 0.1 * (start["pieces"] + 1)
-               for start in starts)
-    # a new persona's prefill (the solo conversation's voice and role prompt) takes pieces
-    assert max(start["pieces"] for start in starts if start["stage"] == "talker") > 1
+    prefills = read_prefills(server.trace_dir)
+    assert {prefill.stage for prefill in prefills} == {"talker", "code2wav"}
+    assert [prefill.ended for prefill in prefills] == sorted(prefill.ended for prefill in prefills)
+    assert all(prefill.conversations >= 1 and prefill.chunks >= 1 and prefill.live >= 1
+               and prefill.begin_s + sum(prefill.chunks_s) <= prefill.duration_s
+               and time.time() - 3600 < prefill.began <= prefill.ended <= time.time() for prefill in prefills)
+    # a new persona's prefill (the solo conversation's voice and role prompt) takes chunks
+    assert max(prefill.chunks for prefill in read_prefills(server.trace_dir, "talker")) > 1
+    assert "personaplex_triton.engine.engine_loop: talker: prefilled 1 conversation(s) in " in server.log_path.read_text()
 
 
 def test_code2wavs_stub_writes_its_send_backlog_where_the_talkers_stub_reads_it(server):

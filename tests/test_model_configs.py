@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from personaplex_triton.core import contract, loaders
+from personaplex_triton.core import contract, tunables
 from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 from personaplex_triton.serving import model_configs
 from personaplex_triton.serving.parameters import (
@@ -91,7 +91,7 @@ def test_a_models_parameters_are_read_once_into_its_typed_config():
     assert (config.max_conversations, config.warm_personas, config.kv_dtype) == (3, ("NATF0", "NATM0"), "float8_e4m3fn")
     assert (config.prefill_chunk_spacing, config.idle_timeout_s, config.device) == (3, 2.5, "cpu")
     # resolved for the instance: stage_process true, so send_threads auto is several
-    assert config.stage_process is True and config.send_threads == loaders.STAGE_PROCESS_SEND_THREADS > 1
+    assert config.stage_process is True and config.send_threads == tunables.STAGE_PROCESS_SEND_THREADS > 1
     assert config.persona_cache_size == 16 and config.dtype == "auto"  # the defaults
     assert TalkerConfig().warm_personas is None  # "all": every voice of the checkpoint
     assert TalkerConfig.from_parameters({"warm_personas": ""}).warm_personas == ()
@@ -103,7 +103,7 @@ def test_auto_choices_follow_the_device():
     on_cpu = Code2WavConfig(device="cpu").resolved()
     assert (on_cpu.stage_process, on_cpu.send_threads) == (False, 1)
     on_gpu = Code2WavConfig(device="cuda:1").resolved()  # resolving touches no GPU
-    assert (on_gpu.stage_process, on_gpu.send_threads) == (True, loaders.STAGE_PROCESS_SEND_THREADS)
+    assert (on_gpu.stage_process, on_gpu.send_threads) == (True, tunables.STAGE_PROCESS_SEND_THREADS)
     assert Code2WavConfig(device="cuda", send_threads=2, stage_process=False).resolved().send_threads == 2
     assert on_cpu.resolved() == on_cpu  # resolving twice changes nothing
 
@@ -136,12 +136,12 @@ def test_the_sequence_batcher_holds_back_no_conversation_a_pool_could_take():
     more candidates than any pool has slots (the largest: code2wav's on a GPU)."""
     import re
 
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import tunables
 
     for model in ("talker", "code2wav"):
         text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
         candidates = int(re.search(r"max_candidate_sequences: (\d+)", text).group(1))
-        assert candidates > loaders.GPU_DECODER_SLOTS
+        assert candidates > tunables.GPU_DECODER_SLOTS
 
 
 def test_the_one_stub_repository_serves_the_same_contract(tmp_path):

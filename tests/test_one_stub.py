@@ -25,7 +25,7 @@ def one_stub(tiny_checkpoint):
 
 def test_the_prefill_chunks_are_spaced_as_configured(one_stub):
     """`prefill_chunk_spacing` reaches the one engine's scheduler."""
-    assert one_stub.engine.scheduler.piece_spacing_ticks == 3
+    assert one_stub.engine.scheduler.chunk_spacing_ticks == 3
 
 
 def converse(service, conversation, pcm, arrays, frames_a_request=3):
@@ -60,8 +60,8 @@ def test_the_service_answers_what_the_stages_compute(one_stub):
     assert errors == [None, None, None] and len(got_text) == 7
 
     talker, decoder = service.talker.talker, service.talker.code2wav  # the one stage's two
-    talker.start(0, TalkerSetup(service.personas.persona("NATF0", ""), SamplingParams(seed=42)))
-    decoder.start(0)
+    talker.prefill(0, TalkerSetup(service.personas.persona("NATF0", ""), SamplingParams(seed=42)))
+    decoder.prefill(0)
     expected_audio, expected_text = [], []
     try:
         for frame in audio.split_frames(pcm):
@@ -146,7 +146,7 @@ def test_a_failed_decode_is_tried_again_and_never_steps_the_talker_twice(tiny_ch
     """A decode that fails once is tried again within the tick; one that fails twice raises
     StepNotRepeatable, so the engine ends the conversations rather than step the talker again."""
     from personaplex_triton.core import loaders
-    from personaplex_triton.core.faults import StepNotRepeatable
+    from personaplex_triton.core.errors import StepNotRepeatable
     from personaplex_triton.lm.sampling import SamplingParams
     from personaplex_triton.serving.stage_builds import build_one_tick
     from personaplex_triton.stages.persona import PersonaLibrary
@@ -172,7 +172,7 @@ def test_a_failed_decode_is_tried_again_and_never_steps_the_talker_twice(tiny_ch
     try:
         persona = PersonaLibrary(loaders.resolve_checkpoint(str(tiny_checkpoint)), stage.talker.tokenizer).persona(
             "NATF0", "")
-        assert stage.start_many({0: TalkerSetup(persona, SamplingParams(seed=1))}) == {}
+        assert stage.prefill_many({0: TalkerSetup(persona, SamplingParams(seed=1))}) == {}
         frame = np.zeros(contract.FRAME_SAMPLES, np.float32)
         failures[:] = [RuntimeError("once")]
         out = stage.tick({0: frame})

@@ -19,7 +19,7 @@ def table_with(conversations: int) -> ConversationTable:
     table = ConversationTable(conversations)
     for key in range(conversations):
         table.admit(key, None, restart=False)
-    table.take_starting()
+    table.take_prefilling()
     return table
 
 

@@ -126,11 +126,11 @@ def test_code2wav_refuses_bad_frames(code2wav, codes, frame_index, message):
 
 
 def test_frames_per_request_are_limited():
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import tunables
 
-    audio_frames(np.zeros(loaders.MAX_FRAMES_PER_REQUEST * 1920, np.float32))
+    audio_frames(np.zeros(tunables.MAX_FRAMES_PER_REQUEST * 1920, np.float32))
     with pytest.raises(InputError, match="holds 126 frames; the limit is 125 per request") as raised:
-        audio_frames(np.zeros((loaders.MAX_FRAMES_PER_REQUEST + 1) * 1920, np.float32))
+        audio_frames(np.zeros((tunables.MAX_FRAMES_PER_REQUEST + 1) * 1920, np.float32))
     assert raised.value.reason == "limit"
 
 
@@ -154,7 +154,7 @@ def test_greedy_ignores_the_temperature_range():
 
 
 def test_prompt_limits(files, monkeypatch):
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import loaders, tunables
     from personaplex_triton.stages.persona import PersonaLibrary, PromptTooLong
 
     library = PersonaLibrary(files, loaders.get_tokenizer(files))
@@ -163,7 +163,7 @@ def test_prompt_limits(files, monkeypatch):
         library.persona("NATF0", "a" * 200_000)
     with pytest.raises(PromptTooLong, match=r"TEXT_PROMPT is \d+ tokens long; the limit is 256"):
         library.persona("NATF0", "hello there " * 300)
-    monkeypatch.setattr(loaders, "MAX_VOICE_PROMPT_FRAMES", 10)
+    monkeypatch.setattr(tunables, "MAX_VOICE_PROMPT_FRAMES", 10)
     with pytest.raises(PromptTooLong, match=r"voice 'NATF0.pt' is \d+ frames long; the limit is 10 \(0.8 s\)"):
         library.persona("NATF0", "")
 
@@ -202,7 +202,7 @@ def test_taking_the_largest_tick_leaves_every_slot_fresh(files):
     codes = np.random.default_rng(5).integers(0, seam.CODEBOOK_SIZE, (3, 8))
 
     def decoded(decoder):
-        decoder.start_many({1: None})
+        decoder.prefill_many({1: None})
         return np.stack([decoder.tick({1: CodesFrame(c)})[1] for c in codes])
 
     fresh = decoded(Code2Wav(open_step("decoder", files), 3))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import stage_doubles
-from personaplex_triton.core.faults import SlotFault
+from personaplex_triton.core.errors import SlotFault
 from personaplex_triton.engine.engine import SlotEngine
 from personaplex_triton.engine.stage_process import StageProcess, StageProcessDied
 
@@ -38,15 +38,15 @@ def test_the_stage_ticks_in_its_own_process_and_runs_calls_in_the_order_sent(ech
     echo.stop(1)  # sent without waiting: still done before the next call
     echo.stop(2)
     assert echo.tick({0: "stopped"}) == {0: [1, 2]}
-    assert echo.start_many({1: "x", 2: "bad"}).keys() == {2}
+    assert echo.prefill_many({1: "x", 2: "bad"}).keys() == {2}
     assert echo.events == [("started", 1)]  # what the stage emitted came back with the answer
 
 
-def test_a_start_in_pieces_runs_one_piece_a_call_and_keeps_its_failures(echo):
-    job = echo.begin_starts({1: "pieces"})
+def test_a_prefill_in_chunks_runs_one_chunk_a_call_and_keeps_its_failures(echo):
+    job = echo.begin_prefills({1: "chunks"})
     assert [job.advance() for _ in range(3)] == [False, False, True] and job.failed == {}
     assert echo.events == [("started", 1)]
-    bad = echo.begin_starts({2: "bad"})
+    bad = echo.begin_prefills({2: "bad"})
     assert bad.advance() is True
     assert isinstance(bad.failed[2], ValueError) and "slot 2: a bad setup" in str(bad.failed[2])
 

@@ -7,7 +7,7 @@ import torch
 from conftest import greedy_tokens_of, snapshot_tensors, tiny_moshi_lm, unforced_step
 from moshi.modules.transformer import RingKVCache
 
-from personaplex_triton.core import loaders
+from personaplex_triton.core import loaders, tunables
 from personaplex_triton.lm import kv_cache
 from personaplex_triton.lm.generation import SlotGenerator, StepInputs
 from personaplex_triton.lm.kv_cache import FilledRingKVCache
@@ -45,7 +45,7 @@ def converse(talker, slot, setup, frames, others=()):
     it) and return its agent steps as (text token, codes) tuples."""
     everyone = [(slot, setup, frames), *others]
     for s, st, _ in everyone:
-        talker.start(s, st)
+        talker.prefill(s, st)
     answers = {s: [] for s, _, _ in everyone}
     while len(answers[slot]) < len(frames):
         items = {s: f[len(answers[s])] for s, _, f in everyone if len(answers[s]) < len(f)}
@@ -71,12 +71,12 @@ def test_the_pool_keeps_code2wavs_memory_free_unless_code2wav_holds_it_in_this_p
     lm, encoder, kv = talker.lm, talker.mimi.runner, torch.float32
     each = conversation_bytes(lm, encoder, kv)
     prefill = kv_cache.bytes_per_conversation(lm.transformer, kv)
-    free = loaders.GPU_RESERVED_BYTES + loaders.GPU_DECODER_RESERVED_BYTES + prefill + 10 * each + each // 2
+    free = tunables.GPU_RESERVED_BYTES + tunables.GPU_DECODER_RESERVED_BYTES + prefill + 10 * each + each // 2
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
     beside, beside_why = conversations_that_fit(lm, encoder, kv)
     inside, inside_why = conversations_that_fit(lm, encoder, kv, decoder_in_process=True)
     assert beside == 10 and "6 for code2wav's largest tick" in beside_why
-    assert inside == min(10 + (loaders.GPU_DECODER_RESERVED_BYTES + each // 2) // each, loaders.GPU_DECODER_SLOTS)
+    assert inside == min(10 + (tunables.GPU_DECODER_RESERVED_BYTES + each // 2) // each, tunables.GPU_DECODER_SLOTS)
     assert inside > beside and "code2wav's largest tick held in this process" in inside_why
 
 
@@ -198,7 +198,7 @@ def test_a_tick_carries_any_slots(talker, wav_voice, user_frames, files):
                      1: (setup(wav_voice, seed=2, greedy=True), noise[::-1].copy())}
     alone = {slot: converse(talker, slot, st, frames) for slot, (st, frames) in conversations.items()}
     for slot, (st, _) in conversations.items():
-        talker.start(slot, st)
+        talker.prefill(slot, st)
     answers = {slot: [] for slot in conversations}
     sent = dict.fromkeys(conversations, 0)
     for tick in range(2 * len(user_frames)):
@@ -246,7 +246,7 @@ def test_user_audio_changes_output(talker, wav_voice, user_frames):
 ])
 def test_invalid_sampling_rejected(talker, wav_voice, params, message):
     with pytest.raises(ValueError, match=message):
-        talker.start(0, setup(wav_voice, **params))
+        talker.prefill(0, setup(wav_voice, **params))
 
 
 def test_cached_persona_starts_at_once_with_the_same_output(talker, wav_voice, user_frames):
@@ -289,14 +289,14 @@ def test_starting_together_equals_starting_one_by_one(talker, wav_voice, user_fr
     talker.persona_cache = PersonaCache(2)
     try:
         converse(talker, 0, a(seed=1), user_frames[:1])  # persona a is cached, b is new
-        assert talker.start_many(together) == {}
+        assert talker.prefill_many(together) == {}
         assert talker.persona_cache.hits == 1 and b().persona.key in talker.persona_cache
         answers = {slot: [] for slot in together}
         for frame in user_frames:
             for slot, step in talker.tick({slot: frame for slot in together}).items():
                 answers[slot].append((step.text_token, tuple(int(c) for c in step.codes)))
         assert answers == alone
-        failed = talker.start_many({0: a(seed=5), 1: b(temperature=0.0)})
+        failed = talker.prefill_many({0: a(seed=5), 1: b(temperature=0.0)})
         assert list(failed) == [1] and "TEMPERATURE" in str(failed[1])
         assert [talker.tick({0: frame})[0].text_token for frame in user_frames] == [t for t, _ in alone[0]]
     finally:
@@ -310,10 +310,10 @@ def steps_of(answers: dict, slot: int) -> list:
     return [(step.text_token, tuple(int(c) for c in step.codes)) for step in answers[slot]]
 
 
-def test_a_start_in_pieces_beside_a_ticking_conversation_answers_as_each_alone(talker, wav_voice, user_frames,
+def test_a_prefill_in_chunks_beside_a_ticking_conversation_answers_as_each_alone(talker, wav_voice, user_frames,
                                                                                  monkeypatch):
-    """A new persona's start in pieces (a transformer pass each, here of 8 positions), with
-    another conversation ticking between the pieces: both answer exactly as each does alone."""
+    """A new persona's prefill in chunks (a transformer pass each, here of 8 positions), with
+    another conversation ticking between the chunks: both answer exactly as each does alone."""
     from personaplex_triton.lm import prefill_graphs
 
     live = setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=3)
@@ -321,15 +321,15 @@ def test_a_start_in_pieces_beside_a_ticking_conversation_answers_as_each_alone(t
     alone_live, alone_new = converse(talker, 0, live, user_frames), converse(talker, 0, new, user_frames)
     monkeypatch.setattr(prefill_graphs, "PREFILL_CHUNK", 8)
     answers = {1: [], 2: []}
-    talker.start(1, live)
+    talker.prefill(1, live)
     try:
         for frame in user_frames[:2]:
             answers[1] += [talker.tick({1: frame})[1]]
-        job, pieces = talker.begin_starts({2: new}), 0
+        job, chunks = talker.begin_prefills({2: new}), 0
         while not job.advance():
-            pieces += 1
+            chunks += 1
             answers[1] += [talker.tick({1: user_frames[len(answers[1])]})[1]]
-        assert job.failed == {} and pieces >= 3
+        assert job.failed == {} and chunks >= 3
         while len(answers[2]) < len(user_frames):
             items = {2: user_frames[len(answers[2])]}
             if len(answers[1]) < len(user_frames):
@@ -354,9 +354,9 @@ def test_a_start_waits_for_another_starts_prefill_of_its_persona(talker, wav_voi
     monkeypatch.setattr(prefill_graphs, "PREFILL_CHUNK", 8)
     talker.persona_cache = PersonaCache(2)
     try:
-        first = talker.begin_starts({1: setup(wav_voice, talker.tokenizer, persona, seed=1)})
+        first = talker.begin_prefills({1: setup(wav_voice, talker.tokenizer, persona, seed=1)})
         assert not first.advance()  # its prefill under way
-        second = talker.begin_starts({2: setup(wav_voice, talker.tokenizer, persona, seed=2)})
+        second = talker.begin_prefills({2: setup(wav_voice, talker.tokenizer, persona, seed=2)})
         done = {}
         while len(done) < 2:
             for name, job in (("first", first), ("second", second)):
@@ -370,13 +370,13 @@ def test_a_start_waits_for_another_starts_prefill_of_its_persona(talker, wav_voi
                 answers[slot].append(step)
         assert {slot: steps_of(answers, slot) for slot in (1, 2)} == alone
         talker.stop(1), talker.stop(2)
-        # a start at once (nothing ticks until it is done) never waits for a start in pieces: it
+        # a prefill at once (nothing ticks until it is done) never waits for a chunked prefill: it
         # prefills a persona the other is prefilling again
         talker.persona_cache = PersonaCache(2)
         other = setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=1)
-        paused = talker.begin_starts({1: other})
+        paused = talker.begin_prefills({1: other})
         assert not paused.advance()
-        assert talker.start_many({2: setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=2)}) == {}
+        assert talker.prefill_many({2: setup(wav_voice, talker.tokenizer, "Talk about cooking.", seed=2)}) == {}
         while not paused.advance():
             pass
         assert paused.failed == {} and talker.persona_cache.hits == 0
@@ -418,7 +418,7 @@ def test_batched_prefill_equals_step_by_step(talker, wav_voice, user_frames, voi
         bundle = make_voice_bundle(talker, wav_voice)
         voice = VoicePrompt("b", embeddings=bundle["embeddings"], cache=bundle["cache"][0])
     persona = setup(voice, talker.tokenizer, "You are a wise and friendly teacher.", seed=5).persona
-    talker.start(0, setup(voice, talker.tokenizer, "You are a wise and friendly teacher.", seed=5))
+    talker.prefill(0, setup(voice, talker.tokenizer, "You are a wise and friendly teacher.", seed=5))
     batched = talker.generator.snapshot(0)
     talker.generator.start(1, SamplingParams(seed=5))
     prefill_step_by_step(talker, 1, persona)
@@ -446,13 +446,13 @@ def test_a_snapshot_from_the_hosts_length_restores_into_several_slots_at_once(ta
     from personaplex_triton.stages.talker import PersonaCache
 
     persona_setup = setup(wav_voice, talker.tokenizer, "You are a careful pilot.", seed=3)
-    talker.start(2, setup(wav_voice, seed=4))
+    talker.prefill(2, setup(wav_voice, seed=4))
     talker.tick({2: user_frames[0]})
     talker.settle()  # the tick's user codes written
     kept = snapshot_tensors(talker.generator.snapshot(2))
     talker.persona_cache = PersonaCache(1)
     try:
-        talker.start(0, persona_setup)
+        talker.prefill(0, persona_setup)
         cached = snapshot_tensors(talker.persona_cache.get(persona_setup.persona.key))
         read_back = snapshot_tensors(talker.generator.snapshot(0))
         assert cached.keys() == read_back.keys() and "kv" in cached
@@ -549,11 +549,11 @@ def test_encode_after_the_answer_gives_the_same_tokens(files, talker, wav_voice,
             runs = []
             for t in (talker, in_tick):
                 late = setup(wav_voice, seed=3)
-                t.start(0, setup(wav_voice, **params))
+                t.prefill(0, setup(wav_voice, **params))
                 answers = []
                 for i, frame in enumerate(user_frames):
                     if i == 4:
-                        t.start(2, late)
+                        t.prefill(2, late)
                     out = t.tick({0: frame, **({2: frame[::-1].copy()} if i >= 4 else {})})
                     answers.append([(s, step.text_token, tuple(map(int, step.codes))) for s, step in sorted(out.items())])
                 t.settle()  # the last frame's codes into the grid
@@ -573,7 +573,7 @@ def test_a_tick_waits_only_for_its_own_slots_codes(talker, wav_voice, user_frame
     import threading
 
     for slot in (0, 1):
-        talker.start(slot, setup(wav_voice, seed=slot))
+        talker.prefill(slot, setup(wav_voice, seed=slot))
     talker.tick({0: user_frames[0], 1: user_frames[0]})
     release, answered = threading.Event(), threading.Event()
     encode = talker.mimi.encode_rows
@@ -596,10 +596,10 @@ def test_a_failed_background_encode_ends_only_its_conversations(talker, wav_voic
     """An encode after the answer that fails leaves its frames without user codes: the next tick
     names each of those slots (SlotFault, one at a time, as the engine ends them), not the
     conversations beside them, and does not step them on a grid with a hole."""
-    from personaplex_triton.core.faults import SlotFault
+    from personaplex_triton.core.errors import SlotFault
 
     for slot in (0, 1, 2):
-        talker.start(slot, setup(wav_voice, seed=slot))
+        talker.prefill(slot, setup(wav_voice, seed=slot))
     encode = talker.mimi.encode_rows
     monkeypatch.setattr(talker.mimi, "encode_rows", lambda frames: (_ for _ in ()).throw(RuntimeError("no codes")))
     talker.tick({0: user_frames[0], 1: user_frames[0]})  # answered; its encode fails behind it
@@ -625,7 +625,7 @@ def test_the_encode_after_the_answer_yields_the_cpu(talker, wav_voice, user_fram
     import os
     import threading
 
-    talker.start(0, setup(wav_voice))
+    talker.prefill(0, setup(wav_voice))
     talker.tick({0: user_frames[0]})
     talker.settle()
     talker.stop(0)
@@ -639,7 +639,7 @@ def test_filled_ring_gives_moshis_tokens():
     (FilledRingKVCache). Greedy, fp32, a 24-frame context so the ring wraps, slots idling and
     joining late: the same tokens as moshi's attention over the whole ring (the reference)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(loaders.CPU_TORCH_THREADS)  # as served; two threads crawl on a busy 2-core host
+    torch.set_num_threads(tunables.CPU_TORCH_THREADS)  # as served; two threads crawl on a busy 2-core host
     try:
         lm = tiny_moshi_lm("cpu", torch.float32, context=24)
         filled, moshi = greedy_tokens(lm, ring=True), greedy_tokens(lm, ring=False)

@@ -28,7 +28,7 @@ os.environ.setdefault("NO_TORCH_COMPILE", "1")  # as served (launch.py); before 
 import torch
 
 from bench import report, workload
-from personaplex_triton.core import loaders
+from personaplex_triton.core import loaders, tunables
 from personaplex_triton.core.collector import PauseWatch, freeze_loaded
 from personaplex_triton.lm.sampling import SamplingParams
 from personaplex_triton.mimi.runtime import open_step
@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
-        torch.set_num_threads(loaders.CPU_TORCH_THREADS)  # as served (serving.stage_builds.use_device_threads)
+        torch.set_num_threads(tunables.CPU_TORCH_THREADS)  # as served (serving.stage_builds.use_device_threads)
     started = report.now()
     files = loaders.resolve_checkpoint(args.checkpoint)
     tokenizer = loaders.get_tokenizer(files)
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                     args.conversations)
     persona = PersonaLibrary(files, tokenizer).persona(workload.PERSONA.voice, workload.PERSONA.text_prompt)
     for slot in range(args.conversations):
-        talker.start(slot, TalkerSetup(persona, SamplingParams(seed=slot)))
+        talker.prefill(slot, TalkerSetup(persona, SamplingParams(seed=slot)))
     phases = {PHASES[0]: phase(talker, args.conversations, args.seconds)}
     freeze_loaded()
     phases[PHASES[1]] = phase(talker, args.conversations, args.seconds)

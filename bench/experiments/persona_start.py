@@ -1,7 +1,7 @@
 """How long a conversation takes to start, by persona, in one process: a persona never seen
 (its prefill: a voice bundle of 199 frames, as PersonaPlex ships, and the bench's role prompt)
 and one from the persona cache; then `--together N` conversations of a cached persona, as
-when N clients connect at once, started one by one and in one `Talker.start_many` (one reset
+when N clients connect at once, started one by one and in one `Talker.prefill_many` (one reset
 for all). With `--base SRC`, a second tree's talker on the same weights starts the same
 personas, the two taking turns, so that the machine's drift falls on both:
 
@@ -70,8 +70,8 @@ class Starter:
     def start(self, voice_seed: int, kind: str) -> None:
         """Slot 0 starts the persona of `voice_seed` (a new persona: the first time); the
         together kinds start slots 1..N on it (after a start of slot 0 cached it)."""
-        if kind == TOGETHER and not hasattr(self.talker, "start_many"):
-            return  # a tree from before start_many
+        if kind == TOGETHER and not hasattr(self.talker, "prefill_many"):
+            return  # a tree from before prefill_many
         if kind == LONGEST_PIECE:
             self._longest_piece(voice_seed)
             return
@@ -81,33 +81,33 @@ class Starter:
         self._sync()
         started = time.perf_counter()
         if kind == TOGETHER:
-            failed = self.talker.start_many(setups)
+            failed = self.talker.prefill_many(setups)
             assert not failed, failed
         else:
             for slot, setup in setups.items():
-                self.talker.start(slot, setup)
+                self.talker.prefill(slot, setup)
         self._sync()
         self.ms[kind].append((time.perf_counter() - started) * 1000)
 
     def calls(self, voice_seed: int) -> dict[str, int | None]:
         """The PyTorch calls from Python (each lets a stub's other threads take the GIL) of a
-        cached persona's start, alone and `together` (None: the tree has no start_many); the
+        cached persona's start, alone and `together` (None: the tree has no prefill_many); the
         persona of `voice_seed` must be in the cache."""
         persona = self._persona(voice_seed)
         setup = self.setup(persona, self.sampling.SamplingParams(seed=voice_seed))
         together = {slot: setup for slot in range(1, 1 + self.together)}
-        return {CACHED: calls_a_tick(lambda: self.talker.start(0, setup)),
-                TOGETHER: calls_a_tick(lambda: self.talker.start_many(together))
-                if hasattr(self.talker, "start_many") else None}
+        return {CACHED: calls_a_tick(lambda: self.talker.prefill(0, setup)),
+                TOGETHER: calls_a_tick(lambda: self.talker.prefill_many(together))
+                if hasattr(self.talker, "prefill_many") else None}
 
     def _longest_piece(self, voice_seed: int) -> None:
-        """A new persona's start in pieces (`begin_starts`, as the engine runs it between ticks):
+        """A new persona's start in pieces (`begin_prefills`, as the engine runs it between ticks):
         the longest piece, which is what the live conversations' frames wait for."""
-        if not hasattr(self.talker, "begin_starts"):
+        if not hasattr(self.talker, "begin_prefills"):
             return  # a tree from before starts in pieces: the whole start is one piece
         persona = self._persona(voice_seed + 500_000)  # not the "new persona" kind's, which "cached" reuses
         self._sync()
-        job, longest = self.talker.begin_starts({0: self.setup(persona, self.sampling.SamplingParams(seed=1))}), 0.0
+        job, longest = self.talker.begin_prefills({0: self.setup(persona, self.sampling.SamplingParams(seed=1))}), 0.0
         while True:
             began = time.perf_counter()
             done = job.advance()
@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)  # loaders.CPU_TORCH_THREADS, as serving.stage_builds.use_device_threads sets it
+    torch.set_num_threads(1)  # tunables.CPU_TORCH_THREADS, as serving.stage_builds.use_device_threads sets it
     starters = {label: Starter(package, args.checkpoint, args.device, args.together)
                 for label, package in trees.packages(args.base).items()}
     load = os.getloadavg()[0]
@@ -163,10 +163,10 @@ def markdown(result: dict, plot_name: str) -> str:
              f"- Load average (1 min) at start {result['load_average'][0]}, at end {result['load_average'][1]}",
              f"- `Talker.start` wall time in ms, median over the rounds; new persona: its prefill ({VOICE_FRAMES}-frame "
              "voice bundle, the bench's role prompt); its longest piece: the longest of the pieces a served start "
-             "runs between ticks (`begin_starts`; n/a: the tree starts in one piece, the whole start); "
+             "runs between ticks (`begin_prefills`; n/a: the tree starts in one piece, the whole start); "
              "cached: the same persona again, from the persona cache; "
              f"{result['together']} cached, one by one or together: {result['together']} conversations of that "
-             "persona starting at once, one `Talker.start` each or one `Talker.start_many` (n/a: the tree has none).",
+             "persona starting at once, one `Talker.start` each or one `Talker.prefill_many` (n/a: the tree has none).",
              "", "| tree | rounds | new persona | new persona, its longest piece | cached persona "
              f"| {result['together']} cached, one by one | {result['together']} cached, together |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -1,7 +1,7 @@
 """A new persona's start piece by piece, in a talker built as served, by the role prompt's length.
 
 Served, a new persona's start runs in pieces between the live conversations' ticks
-(`Talker.begin_starts`), and its longest piece is what their frames wait for. On the H200 the
+(`Talker.begin_prefills`), and its longest piece is what their frames wait for. On the H200 the
 first new persona with a role prompt took 176.6 ms (its longest piece 86.0 ms) and the next
 new one, of another length, 275.0 ms (126.5 ms). This bench starts, in the talker the served
 one is (`TalkerService`: the pool sized from the free memory, CUDA graphs, the checkpoint's
@@ -131,7 +131,7 @@ def timed_pieces(talker, slot: int, setup, sync, before_piece) -> dict:
 def each_piece(talker, slot: int, setup, before_piece, measure) -> list:
     """`setup`'s start in `slot`, piece by piece: `before_piece()` before each, and of each what
     `measure(advance)` gives ((done, figure)); the slot stopped after."""
-    job, figures, done = talker.begin_starts({slot: setup}), [], False
+    job, figures, done = talker.begin_prefills({slot: setup}), [], False
     while not done:
         before_piece()
         done, figure = measure(job.advance)
@@ -156,14 +156,14 @@ class LiveTicks:
             raise ValueError(f"--live {live}: the talker's pool has {talker.num_slots} slots, and slot 0 is the starts'")
         self.talker, self.spacing, self.ticks_ms = talker, spacing, []
         slots = range(1, live + 1)
-        failed = talker.start_many({s: TalkerSetup(persona, SamplingParams()) for s in slots})
+        failed = talker.prefill_many({s: TalkerSetup(persona, SamplingParams()) for s in slots})
         if failed:
             raise RuntimeError(f"the live conversations did not start: {failed}")
         noise = np.random.default_rng(0).normal(0, 0.01, (live, 1920)).astype(np.float32)
         self.frames = dict(zip(slots, noise))
         self.decoder, self.decodes_ms, self._decoding = decoder, [], None
         if decoder is not None:
-            failed = decoder.start_many({s: None for s in slots})
+            failed = decoder.prefill_many({s: None for s in slots})
             if failed:
                 raise RuntimeError(f"the live conversations' decoder did not start: {failed}")
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="code2wav")
@@ -251,18 +251,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --live: a code2wav decoding each live tick's answers beside what follows, as "
                              "served (in a process of its own with --stage-process)")
     parser.add_argument("--spacing", type=int, default=None,
-                        help="their ticks before each piece (default: the served scheduler's, loaders.START_PIECE_SPACING_TICKS)")
+                        help="their ticks before each piece (default: the served scheduler's, tunables.PREFILL_CHUNK_SPACING_TICKS)")
     report.add_output_arguments(parser, "prefill-pieces")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    from personaplex_triton.core import loaders
+    from personaplex_triton.core import loaders, tunables
 
     args = parse_args(argv)
     started = report.now()
     checkpoint = loaders.checkpoint_spec(args.checkpoint)
-    spacing = loaders.START_PIECE_SPACING_TICKS if args.spacing is None else args.spacing
+    spacing = tunables.PREFILL_CHUNK_SPACING_TICKS if args.spacing is None else args.spacing
     if args.code2wav and not args.live:
         raise SystemExit("--code2wav decodes the live conversations' answers: give --live N too")
     starts, pool, live = run(checkpoint, args.device, args.max_conversations, args.live, spacing,
@@ -280,7 +280,7 @@ def markdown(result: dict, plot_name: str) -> str:
              "- Each persona started twice, with no persona cache (each start prefills), in the order of the "
              "table, then a third time to count each piece's PyTorch calls from Python (each a launch or more, "
              "from a host the server's other processes share; not timed: the counting slows them). "
-             "Pieces: wall time of each `StartJob.advance`, to the end of its GPU work (ms); "
+             "Pieces: wall time of each `PrefillJob.advance`, to the end of its GPU work (ms); "
              "passes: the prefill's transformer passes (positions each); allocations and retries: the CUDA "
              "caching allocator's over the start; kernels: Triton kernels compiled over the start.",
              *live_line(result.get("live")),

@@ -1,5 +1,5 @@
 """What a new persona's start costs to cross to the talker's own process (`stage_process`): the
-round trip of `begin_starts` (the setups pickled on the engine's loop, sent through the pipe and
+round trip of `begin_prefills` (the setups pickled on the engine's loop, sent through the pipe and
 unpickled; the child only makes the job, the pieces come after). The persona's voice as served
 (loaded from the checkpoint by both processes, it crosses as its file's name) against the same
 voice made in memory (its tensors cross by value, as every start's did before 2026-12-06). The
@@ -70,7 +70,7 @@ def run(checkpoint: str, rounds: int, voice_name: str | None = None) -> dict:
         for _ in range(rounds + 1):  # the first round unmeasured
             for kind, setup in setups.items():
                 began = time.perf_counter()
-                job = service.talker.begin_starts({0: setup})
+                job = service.talker.begin_prefills({0: setup})
                 times[kind].append((time.perf_counter() - began) * 1000)
                 while not job.advance():
                     pass
@@ -112,7 +112,7 @@ def markdown(result: dict, plot_name: str) -> str:
              f"- Checkpoint {result['checkpoint']}; the talker in a process of its own (`stage_process`); voice "
              f"{result['voice']} ({result['voice_bytes']:,} bytes of tensors), no role prompt; "
              f"{result['rounds']} rounds, the two kinds taking turns, after one unmeasured.",
-             "- The round trip of `begin_starts`: the setup pickled here, through the pipe, unpickled there "
+             "- The round trip of `begin_prefills`: the setup pickled here, through the pipe, unpickled there "
              "(the child makes the job; its pieces are not in it).", "",
              "| the voice crosses | bytes pickled | round trip p50 (ms) | max (ms) |", "| --- | ---: | ---: | ---: |"]
     for k in result["kinds"]:
@@ -126,7 +126,7 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3))
     kinds = result["kinds"]
     ax.barh([k["kind"] for k in kinds], [k["ms_p50"] for k in kinds])
-    ax.set_xlabel("begin_starts round trip, p50 (ms)")
+    ax.set_xlabel("begin_prefills round trip, p50 (ms)")
     ax.grid(alpha=0.3, axis="x")
     report.save_figure(fig, path, "A start crossing to the talker's process")
 

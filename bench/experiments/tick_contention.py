@@ -96,13 +96,13 @@ def stages(args):
     talker = Talker(lm, TorchStepRunner("encoder", mimi), tokenizer, args.pool,
                     kv_dtype=kv_cache.KV_DTYPES[args.kv_dtype])
     for s in range(args.rows):
-        talker.start(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
+        talker.prefill(s, TalkerSetup(Persona(voice, ()), SamplingParams(seed=s)))
     age(talker.generator, args.fill)
     frames = {s: (0.1 * rng.standard_normal(1920)).astype(np.float32) for s in range(args.rows)}
     decoder = Code2Wav(TorchStepRunner("decoder", mimi), args.pool)
     codes = {s: CodesFrame(rng.integers(0, 2048, 8)) for s in range(args.rows)}
     for s in range(args.rows):
-        decoder.start(s)
+        decoder.prefill(s)
     return {"talker": lambda: talker.tick(frames), "code2wav": lambda: decoder.tick(codes)}
 
 

@@ -5,7 +5,7 @@ A step's rows are the frames it carries (a slot table maps them to their slots),
 a batch bucket: 1, 2, 4, 8, then every 8 up to 64 and every 16 past it, and the pool, so a tick
 of 22 frames pays for 24 rows (a tick's cost grows with its rows: a bucket only a power of two
 would pay for 32). The sampler's top-k bound is rounded up to a bucket too
-(loaders.TOP_K_BUCKETS, TOP_K_TEXT_BUCKETS).
+(tunables.TOP_K_BUCKETS, TOP_K_TEXT_BUCKETS).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ walks, and each collection's pause is timed.
 A collection holds the GIL from start to end, so every thread of a Triton stub waits for it,
 the tick's thread among them. A full one (generation 2) walks every object the collector
 tracks. Once the talker has loaded (torch, moshi, the model's modules), its process tracks
-about 350,000 objects, and a full collection of them took 127 ms on this repository's 2-core
-CPU (`python -m bench.gc_pause`, bench/results/2026-12-05-gc-pause-cpu2.md). Those objects live as long as the process: frozen
-(`gc.freeze`), a collection skips them. While a CUDA graph is captured, no collection runs at
+hundreds of thousands of objects, and a full collection of them holds every thread for longer
+than a tick. Those objects live as long as the process: frozen (`gc.freeze`), a collection
+skips them. While a CUDA graph is captured, no collection runs at
 all (`paused`).
 """
 

@@ -1,4 +1,5 @@
-"""Hyperparameters and checkpoint loading, in one place (as moshi's `loaders.py`).
+"""The model's hyperparameters and checkpoint loading, in one place (as moshi's `loaders.py`);
+the serving tunables are tunables.py's.
 
 A checkpoint is a folder in the layout NVIDIA publishes for `nvidia/personaplex-7b-v1`:
 
@@ -81,60 +82,6 @@ TINY_LM_SIZE = {
     "depformer_num_layers": 2,
 }
 
-# Conversation slots per stage when max_conversations is "auto". On a GPU the talker takes what
-# fits in free memory beside GPU_RESERVED_BYTES (its graphs, persona cache, prefill) and
-# GPU_DECODER_RESERVED_BYTES (code2wav's process at its largest tick: its pool's state and a
-# tick of every slot, which it takes at load; measured beyond Mimi's weights in one process on
-# the H200, bench/gpu_step.py: 2.14 GiB at 64 slots, 3.77 at 128, so about 5.4 at 192; the
-# talker reserves it whether or not code2wav's process has loaded first, and not in one tick,
-# where code2wav, built first in the talker's process, already holds it), at most the decoder's slots;
-# the decoder keeps more slots than the talker can fill, since a conversation that ends
-# without FINAL holds its decoder slot until replaced (its state is 8 MB).
-CPU_TALKER_SLOTS = 4
-CPU_DECODER_SLOTS = 8
-GPU_DECODER_SLOTS = 192
-GPU_RESERVED_BYTES = 8 << 30
-GPU_DECODER_RESERVED_BYTES = 6 << 30
-
-# The engines' schedulers (engine/scheduler.py). Code2wav's frames come one response at a time
-# from a talker tick's answers: its tick waits for all of a talker tick's frames, at most this
-# long after the first (on the H200, 46 answers took about 22 ms to leave). On a GPU the talker
-# refuses a newcomer when its measured tick model says the live conversations and it would
-# settle at ticks longer than GPU_ADMISSION_TICK_S: a frame waits up to a tick and is answered
-# at the end of the next, and code2wav and Triton take their share of the 80 ms.
-CODE2WAV_GATHER_MAX_S = 0.025
-GPU_ADMISSION_TICK_S = 0.032
-# Ticks between two pieces of a talker's start while live frames wait (engine/scheduler.py: with
-# one, the tick between two pieces is a catch-up tick, and the frames that come during it wait
-# for it, a piece and the next; bench/start_cost_model.py).
-START_PIECE_SPACING_TICKS = 2
-# A tick's thread gives up the GIL while it waits for the GPU; the stub's send and request
-# threads take it, and Python makes a thread that wants it back wait up to the switch interval
-# (5 ms by default) for the holder to let go, at each of the tick's waits.
-GPU_GIL_SWITCH_S = 0.0005
-# Send threads (outbox lanes) of a stage whose ticks run in a process of their own. Each send is
-# a round trip to tritonserver that waits with the GIL released, so a lane's rate is set by the
-# wake-ups of two processes: on an H100 host one lane sent 1,735 answers in a second at best,
-# and about 450 a second through the hypervisor's steal episodes (13-18% steal) while 55
-# conversations asked for 687; the backlog reached 9.8 s (2026-12-06, docs/gpu-serving-log.md).
-# Lanes overlap the round trips: alone on that host (bench.send_rate) 1 sent 5,732 a second, 2
-# 9,709, 4 9,317, 8 8,188; 4 keeps more round trips in flight where steal slows each wake-up. In
-# the stub they once cost the tick its GIL (a tick 17.4 -> 24.7 ms at 64 on the H200); with the
-# tick in its own process, only the stub's threads share it.
-STAGE_PROCESS_SEND_THREADS = 4
-
-# Threads of a stage's process on a CPU. PyTorch's intra-op threads: 1. The LM's ops are small,
-# and an OpenMP team whose cores are shared (the other stage's process, Triton, anything else)
-# waits for its slowest thread at every op: on the 2-core machine under load the talker's tick
-# took 4-6x as long with 2 threads as with 1. ONNX Runtime's Mimi decoder takes every core the
-# process may run on (`os.sched_getaffinity`), its idle threads sleeping rather than spinning.
-CPU_TORCH_THREADS = 1
-# The talker's Mimi encoder on ONNX Runtime computes on its own low-priority thread (Talker's
-# encode_after), one core: it has a whole frame to finish, and it must not take the cores the
-# decoder and the next tick need at once (at two threads beside the decoder, the decode took
-# twice its time).
-CPU_ENCODER_THREADS = 1
-
 # Token ids and prefill constants (NVIDIA/personaplex, moshi/models/lm.py).
 TEXT_PROMPT_PAD = 3          # text token forced while the voice prompt and silences play
 SILENCE_TOKENS = (948, 243, 1178, 546, 1736, 1030, 1978, 2008)  # Mimi codes of silence
@@ -148,23 +95,6 @@ TEMPERATURE = 0.8
 TEMPERATURE_TEXT = 0.7
 TOP_K = 250
 TOP_K_TEXT = 25
-# Top-k, audio and text: the largest accepted.
-MAX_TOP_K = 500
-# Sampling reads the top-k candidates of a fixed bound per step, the smallest of these buckets
-# that holds every live conversation's top-k: a fixed set of shapes (CUDA graphs), whatever
-# clients ask.
-TOP_K_BUCKETS = (TOP_K, MAX_TOP_K)
-TOP_K_TEXT_BUCKETS = (TOP_K_TEXT, MAX_TOP_K)
-
-# Limits on what one request may ask of the server (docs/reliability.md); each bounds the work,
-# memory or compiled state a client can cause.
-MAX_ROLE_PROMPT_CHARS = 4000   # checked before tokenizing
-MAX_ROLE_PROMPT_TOKENS = 256   # one prefill step per token; PersonaPlex's prompts take a few dozen
-MAX_VOICE_PROMPT_FRAMES = 250  # 20 s, one prefill step per frame
-# The longest prefill: voice prompt, silence, role prompt, silence (stages/talker.py's prefill_program).
-MAX_PREFILL_POSITIONS = MAX_VOICE_PROMPT_FRAMES + MAX_ROLE_PROMPT_TOKENS + 2 * PREFILL_SILENCE_FRAMES
-MAX_FRAMES_PER_REQUEST = 125   # 10 s of audio in one request
-MAX_TEMPERATURE = 10.0
 
 
 class CheckpointError(RuntimeError):

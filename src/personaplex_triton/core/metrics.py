@@ -6,9 +6,9 @@ Prometheus endpoint (`:8002/metrics`), each series labelled with the model's nam
 
 A histogram is kept here, as Prometheus exposes one: the counters `<name>_bucket` (label `le`,
 cumulative), `<name>_sum` and `<name>_count`. A Python-backend model's every update is a round
-trip to tritonserver, and Triton's own histogram takes one observation a call: 800 a second
-for the frame latency at 64 conversations, which kept the reporter thread busy 71% of the time
-on the H200. As counters, a batch of observations is one increment a bucket.
+trip to tritonserver, and Triton's own histogram takes one observation a call: hundreds a second
+for the frame latency under load, which would keep the reporter thread busy most of the time.
+As counters, a batch of observations is one increment a bucket.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import bisect
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 # name: (kind, description); docs/reliability.md's "Metrics" lists the same.
 FAMILIES = {
@@ -32,6 +33,12 @@ FAMILIES = {
     "personaplex_engine_heartbeat_seconds": ("gauge", "Unix time of the engine loop's last pass (at least once a second)"),
     "personaplex_sends_behind_seconds": ("gauge", "How long the oldest answer not yet sent has waited (over 0.25 s on a GPU: new conversations are refused)"),
     "personaplex_gc_pause_seconds": ("histogram", "Python garbage collections in the model's process, by generation: every thread waits out each one"),
+    # What the model took at load (Metrics.loaded; `stage_setups` reads them back).
+    "personaplex_conversation_slots": ("gauge", "Conversation slots of the model's pool"),
+    "personaplex_send_threads": ("gauge", "Threads sending the model's answers to Triton"),
+    "personaplex_mimi_runtime": ("gauge", "1 for the runtime the model's half of Mimi runs on (labels part: encoder or decoder, runtime)"),
+    "personaplex_persona_warm": ("gauge", "1 for each persona prefilled into the cache at load (label voice)"),
+    "personaplex_kv_cache_dtype": ("gauge", "1 for the dtype the talker's KV cache stores (label dtype)"),
 }
 SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")  # the counters a histogram is exposed as
@@ -57,6 +64,51 @@ def scrape(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
             series, value = line.rsplit(" ", 1)
             samples[series] = float(value)
     return samples
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    """What a stage took at load, as its model's metrics say (Metrics.loaded)."""
+
+    slots: int
+    send_threads: int
+    mimi_part: str                   # encoder (the talker's) or decoder (code2wav's)
+    mimi_runtime: str                # tensorrt, onnxruntime or torch
+    warm_personas: tuple[str, ...]   # the talker's; none for code2wav
+    kv_dtype: str | None = None      # what the talker's KV cache stores; None for code2wav
+
+
+def stage_setups(metrics_url: str, expect: tuple[str, ...] = (), wait_s: float = 5.0) -> dict[str, StageSetup]:
+    """{model: its StageSetup} of every model on the endpoint (`host:port`) that has reported
+    its load; read again for up to `wait_s` until each model of `expect` has (a model reports
+    from a thread of its own, just after it is ready)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        setups = _stage_setups(scrape(metrics_url))
+        if set(expect) <= setups.keys() or time.monotonic() > deadline:
+            return setups
+        time.sleep(0.1)
+
+
+def _stage_setups(samples: dict[str, float]) -> dict[str, StageSetup]:
+    found: dict[str, dict] = {}
+    for series, value in samples.items():
+        name, labels = series.split("{", 1)[0], series_labels(series)
+        if "model" not in labels:
+            continue
+        setup = found.setdefault(labels["model"], {"warm_personas": []})
+        if name == "personaplex_conversation_slots":
+            setup["slots"] = int(value)
+        elif name == "personaplex_send_threads":
+            setup["send_threads"] = int(value)
+        elif name == "personaplex_mimi_runtime" and value:
+            setup["mimi_part"], setup["mimi_runtime"] = labels["part"], labels["runtime"]
+        elif name == "personaplex_persona_warm" and value:
+            setup["warm_personas"].append(labels["voice"])
+        elif name == "personaplex_kv_cache_dtype" and value:
+            setup["kv_dtype"] = labels["dtype"]
+    return {model: StageSetup(**{**setup, "warm_personas": tuple(sorted(setup["warm_personas"]))})
+            for model, setup in found.items() if {"slots", "send_threads", "mimi_runtime"} <= setup.keys()}
 
 
 def series_labels(series: str) -> dict[str, str]:
@@ -94,7 +146,7 @@ class UpdateQueue:
     value, histogram observations turned into their counters' increments (histogram_counts)
     when taken, off the serving threads. A Python-backend model's every update is a round trip
     to tritonserver; made where they arise, two a frame, they took most of the time a tick's
-    answers spent leaving at 64 conversations. A series is a key: (name, labels)."""
+    answers spent leaving under load. A series is a key: (name, labels)."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -167,6 +219,11 @@ class Metrics:
 
     def sends_behind(self, seconds: float) -> None:
         """At each heartbeat: how long the oldest answer not yet sent has waited."""
+
+    def loaded(self, slots: int, send_threads: int, mimi_part: str, mimi_runtime: str,
+               warm_personas: list[str] | None = None, kv_dtype: str | None = None) -> None:
+        """Once the model is loaded: its pool, its send threads, where its half of Mimi runs and,
+        the talker's, the personas prefilled into its cache and its KV cache's dtype."""
 
     def close(self) -> None:
         """Report what is pending, then stop."""

@@ -5,30 +5,63 @@ to `<dir>/<stage>-<pid>.jsonl`: the conversation, the frame's index in it, when 
 queued (its request reached the model), the tick that took it (start, end, the CPU seconds of
 the thread that ran it, rows stepped), and when its answer had been handed to Triton. Times are
 wall-clock seconds (`time.time()`), so the lines of both stages and the client's own send and
-receive times share one clock.
+receive times share one clock. Each prefill an engine ran goes to `<dir>/prefills-<stage>-<pid>.jsonl`
+as a `PrefillRecord` (its conversations, duration and chunks), which `read_prefills` reads back.
 Unset, nothing is recorded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 TRACE_DIR_ENV = "PERSONAPLEX_TRACE_DIR"
 STAGES = ("talker", "code2wav")  # the stages that trace, in a frame's order
 
 
+@dataclass(frozen=True)
+class PrefillRecord:
+    """One prefill an engine ran (engine/engine_loop.py): the conversations admitted together,
+    prefilled in chunks between the live conversations' ticks. Times in seconds; `ended` on the
+    wall clock."""
+
+    stage: str                    # the engine's name
+    ended: float                  # when it was done (time.time())
+    conversations: int            # prefilled together
+    duration_s: float             # from its beginning to its end, the ticks between its chunks included
+    begin_s: float                # `begin_prefills` (a round trip where the stage runs in a process of its own)
+    chunks_s: tuple[float, ...]   # each chunk, as the engine's loop waited for it
+    live: int                     # conversations holding a slot when it was done
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunks_s)
+
+    @property
+    def longest_chunk_s(self) -> float:
+        """What the live conversations' frames waited for it."""
+        return max(self.chunks_s, default=0.0)
+
+    @property
+    def began(self) -> float:
+        return self.ended - self.duration_s
+
+
 class FrameTrace:
     def __init__(self, stage: str, directory: str | os.PathLike | None = None):
         directory = directory or os.environ.get(TRACE_DIR_ENV)
-        self._file = None
+        self._file = self._prefills = None
         self._lock = threading.Lock()
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(directory) / f"{stage}-{os.getpid()}.jsonl", "a", buffering=1 << 16)
+            # a line a prefill, written at once: few, and read while the server runs
+            self._prefills = open(Path(directory) / f"prefills-{stage}-{os.getpid()}.jsonl", "a", buffering=1)
 
     @property
     def enabled(self) -> bool:
@@ -44,10 +77,27 @@ class FrameTrace:
         with self._lock:
             self._file.write(json.dumps(record) + "\n")
 
+    def prefill(self, record: PrefillRecord) -> None:
+        if self._prefills is not None:
+            self._prefills.write(json.dumps(dataclasses.asdict(record)) + "\n")
+
     def flush(self) -> None:
         if self._file is not None:
             with self._lock:
                 self._file.flush()
+
+
+def read_prefills(directory: str | os.PathLike, stage: str | None = None) -> list[PrefillRecord]:
+    """Every prefill recorded under `directory` (of `stage`, or of every stage), in the order
+    they ended."""
+    records = []
+    for path in Path(directory).glob(f"prefills-{stage or '*'}-*.jsonl"):
+        with open(path) as lines:
+            for line in lines:
+                if line.strip():
+                    fields = json.loads(line)
+                    records.append(PrefillRecord(**{**fields, "chunks_s": tuple(fields["chunks_s"])}))
+    return sorted(records, key=lambda record: record.ended)
 
 
 def read(directory: str | os.PathLike, stage: str) -> list[dict]:

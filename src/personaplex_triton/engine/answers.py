@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from ..core import metrics as reasons
-from ..core.faults import FaultPlan
+from ..core.fault_injection import FaultPlan
 from ..core.metrics import Metrics
 from ..core.trace import FrameTrace
 from .conversations import Conversation, Request

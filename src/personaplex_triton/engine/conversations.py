@@ -89,7 +89,7 @@ class Conversation:
     submitted: int = 0  # items queued so far, over all its requests
     last_active: float = field(default_factory=time.monotonic)
     on_released: list = field(default_factory=list)  # on_done of an empty closing request, owed at release
-    starting: bool = False  # its stage's start is under way, in pieces between ticks (engine_loop.py)
+    prefilling: bool = False  # its stage's prefill is under way, in chunks between ticks (engine_loop.py)
 
     @property
     def idle(self) -> bool:
@@ -97,8 +97,8 @@ class Conversation:
 
     @property
     def closable(self) -> bool:
-        """Its slot can be freed: nothing owed, and no start still writing into the slot."""
-        return self.closing and self.idle and not self.starting
+        """Its slot can be freed: nothing owed, and no prefill still writing into the slot."""
+        return self.closing and self.idle and not self.prefilling
 
 
 class ConversationTable:
@@ -109,21 +109,21 @@ class ConversationTable:
         self.evict_after_s = evict_after_s
         self.open: dict[int, Conversation] = {}  # by key: those that take more requests
         self.all: list[Conversation] = []        # every conversation holding or awaiting a slot
-        self.to_start: deque[Conversation] = deque()
+        self.to_prefill: deque[Conversation] = deque()
         self._free = list(range(num_slots))
         # Why recent conversations ended with an error, by key: a request of theirs that comes
         # after it (or is answered before it: answers of different requests race) names it.
         self._failures: OrderedDict[int, str] = OrderedDict()
 
     def admit(self, key: int, setup: Any, restart: bool) -> None:
-        """A new conversation, to start before the next tick (see SlotEngine.open)."""
+        """A new conversation, to prefill before the next tick (see SlotEngine.open)."""
         conv = self.open.get(key)
         if conv is not None:
             if not (restart and conv.idle):
                 raise ConversationError(f"conversation {key} is already open", reasons.INVALID_INPUT)
             conv.setup = setup
             conv.answered = conv.submitted = 0
-            self.to_start.append(conv)
+            self.to_prefill.append(conv)
             return
         if len(self.all) >= self.num_slots and self.evict_after_s is not None:
             since = time.monotonic() - self.evict_after_s
@@ -138,7 +138,7 @@ class ConversationTable:
         self._failures.pop(key, None)
         self.open[key] = conv
         self.all.append(conv)
-        self.to_start.append(conv)
+        self.to_prefill.append(conv)
 
     def conversation(self, key: int) -> Conversation:
         conv = self.open.get(key)
@@ -203,31 +203,31 @@ class ConversationTable:
             finally:
                 self._free.append(conv.slot)
                 conv.slot = None
-        if conv in self.to_start:
-            self.to_start.remove(conv)
+        if conv in self.to_prefill:
+            self.to_prefill.remove(conv)
         if conv in self.all:
             self.all.remove(conv)
         owed, conv.on_released = conv.on_released, []
         return owed
 
-    def take_starting(self) -> list[Conversation]:
-        """The conversations to start, each given the lowest free slot (any would do: a tick's
+    def take_prefilling(self) -> list[Conversation]:
+        """The conversations to prefill, each given the lowest free slot (any would do: a tick's
         rows reach their slots through a slot table)."""
-        starting = list(self.to_start)
-        self.to_start.clear()
-        for conv in starting:
+        admitted = list(self.to_prefill)
+        self.to_prefill.clear()
+        for conv in admitted:
             if conv.slot is None:
                 conv.slot = min(self._free)
                 self._free.remove(conv.slot)
-        return starting
+        return admitted
 
     def live(self) -> list[Conversation]:
         """The conversations holding a slot, started or starting."""
         return [c for c in self.all if c.slot is not None]
 
     def ready(self) -> list[Conversation]:
-        """The conversations a tick may carry: holding a slot, their start done."""
-        return [c for c in self.all if c.slot is not None and not c.starting]
+        """The conversations a tick may carry: holding a slot, their prefill done."""
+        return [c for c in self.all if c.slot is not None and not c.prefilling]
 
     def owes_work(self) -> bool:
         """Whether some conversation still owes answers or a release (shutdown waits for none)."""

@@ -5,16 +5,14 @@ batched step. `SlotEngine` is what request threads call; they only queue work (`
 returns at once). Its parts, as in vLLM's engine: ConversationTable (conversations.py) maps
 conversations to slots and queues each request's items; the scheduler (scheduler.py) decides
 what each tick carries and when it starts, and admits conversations by time; the loop
-(engine_loop.py) frees, starts and ticks on the engine's thread; the tick (ticker.py) steps
+(engine_loop.py) frees, prefills and ticks on the engine's thread; the tick (ticker.py) steps
 the stage; answers go back through each request's callbacks, in order,
 from the outbox thread (outbox.py, answers.py), so the next tick need not wait for the sends.
 `send_threads` gives the outbox lanes, each sending its own conversations' answers (the
-models' default: 4 where the stage ticks in a process of its own, else 1; stage_builds.py). When
-sends from several threads were first tried (07070be), tritonserver 2.51 aborted (a
-boost::interprocess lock_exception); since, a real tritonserver has taken them on a CPU
-(tests/test_integration.py) and, with 4 lanes, at 56 conversations on an H100 (six runs of
-60 s, none aborted; docs/gpu-serving-log.md). The parts share the engine's lock, and end a
-conversation through its `_fail`.
+models' default: several where the stage ticks in a process of its own, else 1;
+core/tunables.py). A real tritonserver takes sends from several threads of one stub
+(tests/test_integration.py; docs/decisions.md has the runs under load). The parts share
+the engine's lock, and end a conversation through its `_fail`.
 
 Faults stay where they arise: a failing send ends that conversation; a failing tick ends the
 conversation it names (`SlotFault`), else it is retried once and then ends the conversations
@@ -28,10 +26,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from ..core import metrics as reasons
-from ..core.faults import FaultPlan
+from ..core.fault_injection import FaultPlan
 from ..core.metrics import Metrics
 from ..core.trace import FrameTrace
 from .answers import AnswerSender, finish
@@ -39,6 +37,7 @@ from .conversations import Conversation, ConversationError, ConversationTable, R
 from .engine_loop import EngineLoop
 from .outbox import Outbox
 from .scheduler import Scheduler
+from .stage import Stage
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -48,31 +47,16 @@ __all__ = ["ConversationError", "SlotEngine", "Stage"]
 SHUTDOWN_DRAIN_S = 5.0   # at shutdown, pending requests may finish this long before they get an error
 
 
-class Stage(Protocol):
-    """What the engine drives. A stage may also have `begin_starts(setups) -> StartJob`: the
-    same start in pieces, which the engine runs one a pass, between ticks (starts.py); as a
-    stage in a process of its own has (stage_process.py), `last_tick_cpu_s` (the CPU time its
-    last tick took there, for the tick's trace) and `raise_if_dead()` (asked at each heartbeat);
-    and, as a stage of both stages has (stages/one_tick.py), `last_tick_split` (when its last
-    tick's second part began, for the trace)."""
-
-    num_slots: int
-
-    def start_many(self, setups: dict[int, Any]) -> dict[int, Exception]: ...  # slot -> why it could not start
-    def stop(self, slot: int) -> None: ...
-    def tick(self, items: dict[int, Any]) -> dict[int, Any]: ...
-
-
 class SlotEngine:
     def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
-                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, piece_spacing_ticks: int = 1, send_threads: int = 1,
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, chunk_spacing_ticks: int = 1, send_threads: int = 1,
                  downstream_behind_s: Callable[[], float] | None = None, admit_by_sends: bool = False):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
-        client that vanishes, a sequence that Triton times out). `faults`: see faults.py.
-        `gather`, `gather_max_s`, `admission_tick_s`, `piece_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
+        client that vanishes, a sequence that Triton times out). `faults`: see core/fault_injection.py.
+        `gather`, `gather_max_s`, `admission_tick_s`, `chunk_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage
         that these conversations' answers go through are (code2wav's: its `sends_behind_s` in one
         stub, serving/sends_gauge.py's reader in two),
@@ -87,7 +71,7 @@ class SlotEngine:
         self._cond = threading.Condition()
         self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
         self.scheduler = Scheduler(self._table, gather, gather_max_s, admission_tick_s,  # under self._cond
-                                   piece_spacing_ticks)
+                                   chunk_spacing_ticks)
         self._admitting = True
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
         sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
@@ -99,8 +83,7 @@ class SlotEngine:
         ticker = Ticker(name, stage, self._cond, self._fail, outbox, self.metrics, faults,
                         on_tick=self.scheduler.record, on_out_of_memory=self.scheduler.out_of_memory)
         self._loop = EngineLoop(name, stage, self._cond, self._table, self.scheduler, ticker, outbox, self._fail,
-                                self._stop_all,
-                                self.metrics, idle_timeout_s)
+                                self._stop_all, self.metrics, self.trace, idle_timeout_s)
         self._loop.start()
 
     @property

@@ -1,10 +1,10 @@
-"""The engine's thread: each pass frees, starts, then ticks, so requests only ever queue work.
+"""The engine's thread: each pass frees, prefills, then ticks, so requests only ever queue work.
 
-A pass closes conversations idle too long, releases the slots of ended ones, begins the start
-of new ones and runs one piece of a start under way, the starts taking turns (a stage's start
-sets its slot up in full: the talker plays the persona's prefill there, a chunk a piece;
-starts.py), then ticks what the scheduler plans (scheduler.py), once it is due: a
-conversation's frames wait for its start, the live ones' only for a piece. Between ticks it
+A pass closes conversations idle too long, releases the slots of ended ones, begins the prefill
+of new ones and runs one chunk of a prefill under way, the prefills taking turns (a stage's
+prefill sets its slots up in full: the talker plays the persona's prefill there, a transformer
+pass a chunk; prefills.py), then ticks what the scheduler plans (scheduler.py), once it is due:
+a conversation's frames wait for its prefill, the live ones' only for a chunk. Between ticks it
 beats (the model's health signal), asks pending requests whether their client is gone, and
 keeps the occupancy gauges. If the loop itself dies, every pending request gets an error
 (`stop_all`); however it ends, the outbox then delivers what it holds and stops.
@@ -20,45 +20,44 @@ from typing import Callable
 
 from ..core import metrics as reasons
 from ..core.metrics import Metrics
+from ..core.trace import FrameTrace, PrefillRecord
 from .answers import finish
 from .conversations import Conversation, ConversationTable
 from .outbox import Outbox
+from .prefills import PrefillJob
 from .scheduler import SENDS_BEHIND_LIMIT_S, Scheduler
+from .stage import Stage
 from .stage_process import StageProcessDied
-from .starts import StartJob, begin_starts
 from .ticker import Ticker
 
 log = logging.getLogger(__name__)
 
-# Each start's log line (serving.starts_in_log reads it back from tritonserver's log).
-STARTED_LOG = ("%s: started %d conversation(s) in %.1f ms over %d piece(s), the longest %.1f ms; %d live; "
-               "begun in %.1f ms, pieces %s ms")
+# Each prefill's log line, for people (core/trace.py records the same for programs).
+PREFILLED_LOG = ("%s: prefilled %d conversation(s) in %.1f ms over %d chunk(s), the longest %.1f ms; %d live; "
+                 "begun in %.1f ms, chunks %s ms")
 HEARTBEAT_S = 1.0        # the loop wakes at least this often (heartbeat, idle conversations)
 CANCEL_POLL_S = 0.5      # how often pending requests are asked whether their client is gone
 BEHIND_WARNING_S = 10.0  # while the sends fall behind, the log says so at most this often
 
 
 @dataclass
-class _Start:
-    """The start of the conversations admitted in one pass, under way."""
+class _Prefill:
+    """The prefill of the conversations admitted in one pass, under way."""
     conversations: list[Conversation]
-    job: StartJob
+    job: PrefillJob
     began: float
-    begun_s: float  # `begin_starts`: a round trip where the stage runs in a process of its own
-    piece_s: list[float] = field(default_factory=list)  # each piece as the loop waited for it
-
-    @property
-    def longest_s(self) -> float:
-        """The longest piece: what the live conversations' frames waited for it."""
-        return max(self.piece_s, default=0.0)
+    begun_s: float  # `begin_prefills`: a round trip where the stage runs in a process of its own
+    chunk_s: list[float] = field(default_factory=list)  # each chunk as the loop waited for it
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, name: str, stage, lock: threading.Condition, table: ConversationTable,
+    def __init__(self, name: str, stage: Stage, lock: threading.Condition, table: ConversationTable,
                  scheduler: Scheduler, ticker: Ticker, outbox: Outbox, fail: Callable[[Conversation, str, str], None],
-                 stop_all: Callable[[str, str], None], metrics: Metrics, idle_timeout_s: float | None):
+                 stop_all: Callable[[str, str], None], metrics: Metrics, trace: FrameTrace,
+                 idle_timeout_s: float | None):
         """`stage`, `lock` (over `table` and `running`), `fail(conversation, message, reason)`,
-        `stop_all(message, reason)` and `idle_timeout_s`: the engine's (SlotEngine)."""
+        `stop_all(message, reason)` and `idle_timeout_s`: the engine's (SlotEngine); `trace` records
+        each prefill (core/trace.py)."""
         super().__init__(name=name, daemon=True)
         self.stage = stage
         self._lock = lock
@@ -69,9 +68,10 @@ class EngineLoop(threading.Thread):
         self._fail = fail
         self._stop_all = stop_all
         self.metrics = metrics
+        self.trace = trace
         self.idle_timeout_s = idle_timeout_s
         self.running = True  # under the lock: False ends the loop at its next pass
-        self._starts: list[_Start] = []
+        self._prefills: list[_Prefill] = []
         self._last_cancel_poll = self._last_beat = 0.0
         self._last_behind_warning = -BEHIND_WARNING_S
         self._occupancy: tuple[int, int] | None = None
@@ -88,11 +88,11 @@ class EngineLoop(threading.Thread):
             self._outbox.close()
 
     def _pass(self) -> bool:
-        """One pass of the loop: free, start, tick; False once shut down."""
+        """One pass of the loop: free, prefill, tick; False once shut down."""
         table = self._table
         with self._lock:
             due = self._scheduler.due_in()
-            if self.running and not (table.to_start or self._piece_due() or any(c.closable for c in table.all)) \
+            if self.running and not (table.to_prefill or self._chunk_due() or any(c.closable for c in table.all)) \
                     and due != 0:
                 self._lock.wait(HEARTBEAT_S if due is None else due)
             if not self.running:
@@ -104,18 +104,18 @@ class EngineLoop(threading.Thread):
                              now - conv.last_active)
             owed = [done for conv in [c for c in table.all if c.closable]
                     for done in table.release(conv, self.stage.stop)]
-            starting = table.take_starting()
-            for conv in starting:  # until its start is done (_finish_start): no tick carries it
-                conv.starting = True
+            admitted = table.take_prefilling()
+            for conv in admitted:  # until its prefill is done (_finish_prefill): no tick carries it
+                conv.prefilling = True
         for done in owed:
             finish(self.name, done, None)
         self._beat(now)
         self._poll_cancelled(now)
-        if starting:
-            self._begin(starting)
-        if self._starts:
-            self._report_occupancy()  # the conversations starting count as prefilling meanwhile
-            self._advance_starts()
+        if admitted:
+            self._begin_prefill(admitted)
+        if self._prefills:
+            self._report_occupancy()  # the conversations admitted count as prefilling meanwhile
+            self._advance_prefills()
         with self._lock:
             plan = self._scheduler.schedule()
         if plan:
@@ -127,7 +127,7 @@ class EngineLoop(threading.Thread):
         if now - self._last_beat >= HEARTBEAT_S / 2:
             self._last_beat = now
             # a stage in a process of its own that died while idle: the engine stops (run)
-            getattr(self.stage, "raise_if_dead", lambda: None)()
+            self.stage.raise_if_dead()
             self.metrics.alive(True)
             behind = self._outbox.behind_s()
             self.metrics.sends_behind(behind)
@@ -139,9 +139,9 @@ class EngineLoop(threading.Thread):
     def _poll_cancelled(self, now: float) -> None:
         """Ask each conversation's oldest pending request whether its client is gone (a client
         that goes cancels them all). A poll is a round trip to tritonserver: one a conversation,
-        and none for a request about to be answered. Polling every pending request made a
-        backlog self-sustaining on the H200: at 64 conversations thousands of frames were
-        pending, and their polls slowed the loop further."""
+        and none for a request about to be answered. Polling every pending request would make a
+        backlog self-sustaining: under load thousands of frames may be pending, and their polls
+        would slow the loop further."""
         if now - self._last_cancel_poll < CANCEL_POLL_S:
             return
         self._last_cancel_poll = now
@@ -153,60 +153,63 @@ class EngineLoop(threading.Thread):
                 self._fail(conv, "the request was cancelled", reasons.CANCELLED)
 
     def _report_occupancy(self) -> None:
-        """The gauges: conversations holding a slot, and of them the starting ones (prefilling)."""
+        """The gauges: conversations holding a slot, and of them the prefilling ones."""
         with self._lock:
             live = self._table.live()
-            occupancy = (len(live), sum(conv.starting for conv in live))
+            occupancy = (len(live), sum(conv.prefilling for conv in live))
         if occupancy != self._occupancy:
             self._occupancy = occupancy
             self.metrics.conversations(*occupancy)
 
-    def _begin(self, starting: list[Conversation]) -> None:
-        """Begin the start of the conversations admitted since the last pass, together (one
-        reset of the model for all): in pieces where the stage has `begin_starts`, else at once."""
-        # Beginning does no work (a job's pieces run in `_advance_starts`, which takes their failures).
+    def _begin_prefill(self, admitted: list[Conversation]) -> None:
+        """Begin the prefill of the conversations admitted since the last pass, together (one
+        reset of the model for all), in the chunks of the stage's `begin_prefills`."""
+        # Beginning does no work (a job's chunks run in `_advance_prefills`, which takes their failures).
         began = time.perf_counter()
-        job = begin_starts(self.stage, {conv.slot: conv.setup for conv in starting})
-        self._starts.append(_Start(starting, job, began, time.perf_counter() - began))
+        job = self.stage.begin_prefills({conv.slot: conv.setup for conv in admitted})
+        self._prefills.append(_Prefill(admitted, job, began, time.perf_counter() - began))
 
-    def _piece_due(self) -> bool:
-        """Whether the next start's next piece may run now (scheduler.piece_due); under the lock."""
-        return bool(self._starts) and self._scheduler.piece_due(first=not self._starts[0].piece_s)
+    def _chunk_due(self) -> bool:
+        """Whether the next prefill's next chunk may run now (scheduler.chunk_due); under the lock."""
+        return bool(self._prefills) and self._scheduler.chunk_due(first=not self._prefills[0].chunk_s)
 
-    def _advance_starts(self) -> None:
-        """One piece of one start a pass, the starts under way taking turns, so that a tick never
-        waits for more than one piece, and a start's later pieces spaced by the scheduler's
-        ticks; a start done lets its conversations tick, and one that cannot start ends with the
-        reason, the others go on."""
+    def _advance_prefills(self) -> None:
+        """One chunk of one prefill a pass, the prefills under way taking turns, so that a tick
+        never waits for more than one chunk, and a prefill's later chunks spaced by the
+        scheduler's ticks; a prefill done lets its conversations tick, and a conversation that
+        cannot be prefilled ends with the reason, the others go on."""
         with self._lock:
-            if not self._piece_due():
+            if not self._chunk_due():
                 return
-            self._scheduler.piece_ran()
-        start = self._starts.pop(0)
+            self._scheduler.chunk_ran()
+        prefill = self._prefills.pop(0)
         began = time.perf_counter()
         try:
-            done, failed = start.job.advance(), start.job.failed
+            done, failed = prefill.job.advance(), prefill.job.failed
         except StageProcessDied:  # the engine stops (run)
             raise
         except Exception as exc:  # a bad persona must not take the engine down
-            done, failed = True, {conv.slot: exc for conv in start.conversations}
-        start.piece_s.append(time.perf_counter() - began)
+            done, failed = True, {conv.slot: exc for conv in prefill.conversations}
+        prefill.chunk_s.append(time.perf_counter() - began)
         if done:
-            self._finish_start(start, failed)
+            self._finish_prefill(prefill, failed)
         else:
-            self._starts.append(start)
+            self._prefills.append(prefill)
 
-    def _finish_start(self, start: _Start, failed: dict[int, Exception]) -> None:
+    def _finish_prefill(self, prefill: _Prefill, failed: dict[int, Exception]) -> None:
         with self._lock:
-            for conv in start.conversations:
-                conv.starting = False
+            for conv in prefill.conversations:
+                conv.prefilling = False
             live = len(self._table.live())
-        # The live conversations' frames waited for each piece: the longest is what a start costs them.
-        log.info(STARTED_LOG, self.name, len(start.conversations), (time.perf_counter() - start.began) * 1e3,
-                 len(start.piece_s), start.longest_s * 1e3, live, start.begun_s * 1e3,
-                 ", ".join(f"{piece * 1e3:.1f}" for piece in start.piece_s))
-        for conv in start.conversations:
+        # The live conversations' frames waited for each chunk: the longest is what a prefill costs them.
+        record = PrefillRecord(self.name, time.time(), len(prefill.conversations), time.perf_counter() - prefill.began,
+                               prefill.begun_s, tuple(prefill.chunk_s), live)
+        self.trace.prefill(record)
+        log.info(PREFILLED_LOG, self.name, record.conversations, record.duration_s * 1e3, record.chunks,
+                 record.longest_chunk_s * 1e3, live, record.begin_s * 1e3,
+                 ", ".join(f"{chunk * 1e3:.1f}" for chunk in record.chunks_s))
+        for conv in prefill.conversations:
             exc = failed.get(conv.slot)
             if exc is not None:
-                log.error("starting conversation %s failed", conv.key, exc_info=exc)
+                log.error("prefilling conversation %s failed", conv.key, exc_info=exc)
                 self._fail(conv, f"could not start the conversation: {exc}", reasons.INVALID_INPUT)

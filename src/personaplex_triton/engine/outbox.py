@@ -1,7 +1,7 @@
 """Threads that deliver a stage's answers, so the next tick need not wait for the sends.
 
-A Python-backend model answers one response at a time: at 64 conversations a talker tick's 64
-sends took 13 ms on the H200, time in which the GPU sat idle. The engine puts each tick's
+A Python-backend model answers one response at a time: a large tick's sends take a good part
+of a tick, time in which the GPU would sit idle. The engine puts each tick's
 answers here and starts its next tick at once. Each lane (a thread) delivers the answers of its
 own conversations (`lane_of`) in the order they were put, so a conversation's frames still
 leave in order. A send is a round trip to tritonserver that releases the GIL while it waits,
@@ -99,8 +99,8 @@ class Outbox:
 
     def behind_s(self) -> float:
         """How long the oldest answer not yet sent has waited, over the lanes: a tick's answers
-        leave within milliseconds while the sends keep up (at 55 conversations on an H100, up to
-        60 ms), and fall seconds behind when they cannot (docs/gpu-serving-log.md)."""
+        leave within tens of milliseconds while the sends keep up, and fall seconds behind when
+        they cannot."""
         now = time.monotonic()
         return max(lane.behind_s(now) for lane in self._lanes)
 

@@ -4,32 +4,25 @@ step (ticker.py) and from the answers (outbox.py, answers.py), as in vLLM's engi
 `schedule()` returns a `TickPlan`: each waiting conversation's next frame, packed (the stage
 runs exactly those rows: a compact tick, lm/slot_states.py), the frame that has waited longest
 first. The plan's order is the order in which the tick's answers leave, one send after another
-(a Python-backend stub sends one response at a time, about half a millisecond each at load):
-oldest first, the frame nearest its deadline does not queue behind the others' sends. In the
-conversations' join order, which the rows followed before, the last to join always went last:
-on the H200 at 64 conversations (a8cdabc's 4-minute run) the last-started quarter's p99 was
-84.6 ms against the first quarter's 72.6, their late frames 1.33% against 0.64%
-(`python -m bench.send_order`). A tick starts as soon as a frame
-waits: in the H200's tick model (shared/tools/tick_sim.py) such ticks regulate themselves (a
-longer tick lets more frames gather for the next, so batches grow with load), and waiting for
-deadlines added latency and gained nothing. A stage whose frames arrive one response at a
-time from another stage's tick (code2wav: a talker tick's answers leave one by one, about
-half a millisecond apart) gathers them: `gather(item)` names the item's group and its size
-(the talker tick that answered it, and how many frames that tick answered), and a tick waits
-until the oldest waiting item's group has all arrived, at most `gather_max_s` (a frame of the
-group may never come: its conversation ended). One talker tick then makes one decoder tick,
-not a few fragments that each take the GPU from the talker.
+(a Python-backend stub sends one response at a time): oldest first, the frame nearest its
+deadline does not queue behind the others' sends (in join order, the last conversation to join
+always went last, and its frames were late more often; docs/decisions.md). A tick starts
+as soon as a frame waits: such ticks regulate themselves (a longer tick lets more frames gather
+for the next, so batches grow with load), and waiting for deadlines adds latency and gains
+nothing. A stage whose frames arrive one response at a time from another stage's tick
+(code2wav: a talker tick's answers leave one by one) gathers them: `gather(item)` names the
+item's group and its size (the talker tick that answered it, and how many frames that tick
+answered), and a tick waits until the oldest waiting item's group has all arrived, at most
+`gather_max_s` (a frame of the group may never come: its conversation ended). One talker tick
+then makes one decoder tick, not a few fragments that each take the GPU from the talker.
 
-A start in pieces (starts.py) runs between the ticks, one piece a pass of the engine's loop.
-`piece_spacing_ticks` > 1 keeps that many ticks between two pieces of a start while live frames
-wait: a frame that comes during the tick just before a piece waits for the rest of that tick,
-the piece, and the tick after it, which carries what piled up meanwhile. With one tick between
-a start's pieces that tick is itself a large catch-up tick; with two it is a normal one. In the
-engine's loop, modelled with the H100's served figures at 55 conversations (bench/
-start_cost_model.py, calibrated on a 4-minute run: 49 late frames a start, 42 measured), 3
-pieces of 31 ms made 49 of the live conversations' frames late a start with one tick between
-them, none with two, the start 38 ms longer. A start's first piece (the whole of a cached
-persona's start, or code2wav's) runs as before.
+A chunked prefill (prefills.py) runs between the ticks, one chunk a pass of the engine's loop.
+`chunk_spacing_ticks` > 1 keeps that many ticks between two chunks of a prefill while live
+frames wait: a frame that comes during the tick just before a chunk waits for the rest of that
+tick, the chunk, and the tick after it, which carries what piled up meanwhile. With one tick
+between two chunks that tick is itself a large catch-up tick, which makes more of the live
+frames late; with two it is a normal one, at the cost of a longer prefill. A prefill's first
+chunk (the whole of a cached persona's prefill, or code2wav's reset) runs at once.
 
 `record()` takes each tick's frames and duration (the ticker's, which the metrics count too:
 frames per tick, ticks per second and the busy fraction are theirs) into a linear tick-cost
@@ -53,8 +46,8 @@ MODEL_TICKS = 256       # ticks the cost model is fitted on
 MODEL_MIN_TICKS = 32    # fewer: no admission by time yet (nothing measured)
 MEMORY_FULL_S = 30.0    # after a tick ran out of GPU memory, newcomers are refused this long
 # Answers waiting this long to be sent: the sends cannot keep up, newcomers are refused. Three
-# frames' worth: at 55 conversations on an H100 the oldest answer waited at most 60 ms while the
-# sends kept up, and seconds in the host's steal episodes, 0.36 s at the median in the first.
+# frames' worth: well above what the oldest answer waits while the sends keep up, well below the
+# seconds it waits once they cannot (docs/decisions.md).
 SENDS_BEHIND_LIMIT_S = 0.25
 
 
@@ -109,24 +102,24 @@ class TickModel:
 
 class Scheduler:
     def __init__(self, table: ConversationTable, gather: Callable[[Any], tuple[int, int] | None] | None = None,
-                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, piece_spacing_ticks: int = 1,
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, chunk_spacing_ticks: int = 1,
                  clock=time.time):
         """`gather`, `gather_max_s`: how a tick gathers frames (the module docstring; None: it
         starts as soon as one waits). `admission_tick_s`: a new conversation is refused
         when the tick model says the live ones and it would settle at ticks longer than this
         (a frame waits up to one tick and is answered at the end of the next: about two
-        ticks); 0: no admission by time. `piece_spacing_ticks`: the ticks
-        between two pieces of a start while live frames wait (the module docstring; 1: as the
-        loop runs, a piece a pass). `clock`: the wall clock, which the queue's items are stamped
+        ticks); 0: no admission by time. `chunk_spacing_ticks`: the ticks
+        between two chunks of a prefill while live frames wait (the module docstring; 1: as the
+        loop runs, a chunk a pass). `clock`: the wall clock, which the queue's items are stamped
         with (for the frame trace)."""
-        if piece_spacing_ticks < 1:
-            raise ValueError(f"the ticks between a start's pieces must be at least 1, got {piece_spacing_ticks}")
+        if chunk_spacing_ticks < 1:
+            raise ValueError(f"the ticks between a prefill's chunks must be at least 1, got {chunk_spacing_ticks}")
         self._table = table
         self.gather = gather
         self.gather_max_s = gather_max_s
         self.admission_tick_s = admission_tick_s
-        self.piece_spacing_ticks = piece_spacing_ticks
-        self._ticks_since_piece = piece_spacing_ticks
+        self.chunk_spacing_ticks = chunk_spacing_ticks
+        self._ticks_since_chunk = chunk_spacing_ticks
         self._clock = clock
         self.model = TickModel()
         self._memory_full_at: float | None = None
@@ -154,19 +147,19 @@ class Scheduler:
         due = self.due_in()
         if due is None or due > 0:
             return None
-        self._ticks_since_piece += 1
+        self._ticks_since_chunk += 1
         rows = [(c.slot, (c, *c.queue.popleft())) for c in self._table.ready() if c.queue]
         return TickPlan(dict(sorted(rows, key=lambda row: row[1][3])))  # by the time each was queued
 
-    def piece_due(self, first: bool) -> bool:
-        """Whether a start's next piece may run now (`first`: its first piece): always with
-        `piece_spacing_ticks` 1 and for a first piece; else once that many ticks have run since
-        the last piece, or when no live frame waits (a piece then holds no one up)."""
-        return (first or self.piece_spacing_ticks <= 1 or self._ticks_since_piece >= self.piece_spacing_ticks
+    def chunk_due(self, first: bool) -> bool:
+        """Whether a prefill's next chunk may run now (`first`: its first chunk): always with
+        `chunk_spacing_ticks` 1 and for a first chunk; else once that many ticks have run since
+        the last chunk, or when no live frame waits (a chunk then holds no one up)."""
+        return (first or self.chunk_spacing_ticks <= 1 or self._ticks_since_chunk >= self.chunk_spacing_ticks
                 or self.due_in() is None)
 
-    def piece_ran(self) -> None:
-        self._ticks_since_piece = 0
+    def chunk_ran(self) -> None:
+        self._ticks_since_chunk = 0
 
     # -- what ticks cost ----------------------------------------------------------------------
     def record(self, frames: int, seconds: float) -> None:

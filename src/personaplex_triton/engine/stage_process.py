@@ -1,17 +1,17 @@
-"""A stage in a process of its own: its ticks and starts take that process's GIL, not the stub's.
+"""A stage in a process of its own: its ticks and prefills take that process's GIL, not the stub's.
 
 In one Triton stub the tick's host work (building the step, launching its graph, reading its
-result) shares one GIL with the stub's request and send threads. At 64 conversations on the
-H200 the tick spent 3.9 ms of its 17.4 (p50) off the CPU waiting for the GIL, and with 4 send
-threads 8.4 ms (docs/gpu-serving-log.md). As vLLM runs its engine core apart from its API server,
+result) shares one GIL with the stub's request and send threads, and under load the tick
+spends a good part of its time waiting for it, more with more send threads (the measurements
+are in docs/decisions.md). As vLLM runs its engine core apart from its API server,
 `StageProcess` runs the stage (the model, its state, its CUDA context) in a child Python
-process, and is the engine's stage (engine.Stage) in the stub: the scheduler, the conversations
+process, and is the engine's stage (stage.Stage) in the stub: the scheduler, the conversations
 and the sends stay in the stub, and a tick is one round trip through a pipe (the frames in,
 the answers out, pickled). The stub then never touches the GPU.
 
-Calls come from the engine's loop (tick, starts) and, for `stop`, from any of its threads under
+Calls come from the engine's loop (tick, prefills) and, for `stop`, from any of its threads under
 the engine's lock: `stop` is sent without waiting for an answer, and the child runs every
-message in the order sent, so a stop is done before the next start of that slot. What the
+message in the order sent, so a stop is done before the next prefill of that slot. What the
 stage reports on the side (`emit(name, *args)`, e.g. a persona cache lookup) comes back with
 the next answer and goes to `on_event`. If the child dies, every later call raises
 `StageProcessDied`, which stops the engine: its requests get the error and its health fails
@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any, Callable
 
-from .starts import begin_starts
+from .stage import Stage
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def python_executable() -> str:
     return found
 
 
-class RemoteStartJob:
-    """A start under way in the child (engine/starts.StartJob's interface)."""
+class RemotePrefillJob:
+    """A prefill under way in the child (prefills.PrefillJob's interface)."""
 
     def __init__(self, process: "StageProcess", job: int):
         self._process = process
@@ -70,7 +70,7 @@ class RemoteStartJob:
         return done
 
 
-class StageProcess:
+class StageProcess(Stage):
     def __init__(self, name: str, build: Callable[..., tuple[Any, Any]], options: dict,
                  on_event: Callable[..., None] = lambda name, *args: None):
         """Start a child that runs `build(**options, emit=...)` -> (stage, info), a module-level
@@ -109,11 +109,11 @@ class StageProcess:
         outputs, self.last_tick_cpu_s, self.last_tick_split = self._call("tick", items)
         return outputs
 
-    def start_many(self, setups: dict[int, Any]) -> dict[int, Exception]:
-        return self._call("start_many", setups)
+    def prefill_many(self, setups: dict[int, Any]) -> dict[int, Exception]:
+        return self._call("prefill_many", setups)
 
-    def begin_starts(self, setups: dict[int, Any]) -> RemoteStartJob:
-        return RemoteStartJob(self, self._call("begin_starts", setups))
+    def begin_prefills(self, setups: dict[int, Any]) -> RemotePrefillJob:
+        return RemotePrefillJob(self, self._call("begin_prefills", setups))
 
     def stop(self, slot: int) -> None:
         """Sent without waiting (the engine calls it under its lock, from any thread). A dead
@@ -249,12 +249,12 @@ def serve(conn: Connection, name: str = "stage") -> None:
             elif op == "tick":
                 cpu = time.thread_time()
                 outputs = stage.tick(*args)
-                value = (outputs, time.thread_time() - cpu, getattr(stage, "last_tick_split", None))
-            elif op == "start_many":
-                value = stage.start_many(*args)
-            elif op == "begin_starts":
+                value = (outputs, time.thread_time() - cpu, stage.last_tick_split)
+            elif op == "prefill_many":
+                value = stage.prefill_many(*args)
+            elif op == "begin_prefills":
                 value = next(job_ids)
-                jobs[value] = begin_starts(stage, *args)
+                jobs[value] = stage.begin_prefills(*args)
             elif op == "advance":
                 job = jobs[args[0]]
                 done = job.advance()
@@ -262,7 +262,7 @@ def serve(conn: Connection, name: str = "stage") -> None:
                     del jobs[args[0]]
                 value = (done, {slot: _portable(exc) for slot, exc in job.failed.items()})
             elif op == "close":
-                getattr(stage, "close", lambda: None)()
+                stage.close()
                 answer(True, None)
                 break
             else:
@@ -274,7 +274,7 @@ def serve(conn: Connection, name: str = "stage") -> None:
             if op == "build":
                 break
             continue
-        if op == "start_many":
+        if op == "prefill_many":
             value = {slot: _portable(exc) for slot, exc in value.items()}
         answer(True, value)
 

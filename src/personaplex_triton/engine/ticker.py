@@ -18,22 +18,24 @@ from typing import Callable
 import torch
 
 from ..core import metrics as reasons
-from ..core.faults import FaultPlan, SlotFault, StepNotRepeatable
+from ..core.errors import SlotFault, StepNotRepeatable
+from ..core.fault_injection import FaultPlan
 from ..core.metrics import Metrics
 from .answers import Answer, TickSpan
 from .conversations import Conversation
 from .outbox import Outbox
+from .stage import Stage
 from .stage_process import StageProcessDied
 
 log = logging.getLogger(__name__)
 
 
 class Ticker:
-    def __init__(self, name: str, stage, lock: threading.Condition, fail: Callable[[Conversation, str, str], None],
+    def __init__(self, name: str, stage: Stage, lock: threading.Condition, fail: Callable[[Conversation, str, str], None],
                  outbox: Outbox, metrics: Metrics, faults: FaultPlan | None = None,
                  on_tick: Callable[[int, float], None] = lambda frames, seconds: None,
                  on_out_of_memory: Callable[[], None] = lambda: None):
-        """`stage`: the engine's (engine.Stage); `lock`: the engine's, over its conversations;
+        """`stage`: the engine's (stage.Stage); `lock`: the engine's, over its conversations;
         `fail(conversation, message, reason)` ends a conversation; `on_tick(frames, seconds)`: a
         stage's tick stepped that many frames in that time (as the metrics count it);
         `on_out_of_memory()`: a tick ran out of GPU memory."""
@@ -86,9 +88,9 @@ class Ticker:
                 began, cpu = time.time(), time.thread_time()
                 outputs = self.stage.tick({slot: item for slot, (_, _, item, _) in batch.items()})
                 # a stage in a process of its own (stage_process.py) ticks on that process's CPU
-                reported = getattr(self.stage, "last_tick_cpu_s", None)
+                reported = self.stage.last_tick_cpu_s
                 self.tick_span = TickSpan(began, time.time(), time.thread_time() - cpu if reported is None else reported,
-                                          getattr(self.stage, "last_tick_split", None))
+                                          self.stage.last_tick_split)
             except StageProcessDied:  # nothing to retry: the engine stops (engine_loop.py)
                 raise
             except StepNotRepeatable as exc:  # the stage's state moved: a retry would step it twice

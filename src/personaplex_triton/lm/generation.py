@@ -29,7 +29,7 @@ import contextlib
 import numpy as np
 import torch
 
-from ..core import loaders
+from ..core import tunables
 from ..core.buckets import batch_buckets, bucket_for
 from ..core.host_copies import to_device
 from . import fused_ops, kv_cache, ring_attention
@@ -60,8 +60,8 @@ class SlotGenerator:
         self.grid = TokenGrid(num_slots, lm.delays, lm._get_initial_token()[0, :, 0], lm.ungenerated_token_id, device)
         self.sampling = SlotSampling(num_slots, device)
         self.model_step = ModelStep(lm)
-        self.top_k_bound = loaders.TOP_K_BUCKETS[0]
-        self.top_k_text_bound = loaders.TOP_K_TEXT_BUCKETS[0]
+        self.top_k_bound = tunables.TOP_K_BUCKETS[0]
+        self.top_k_text_bound = tunables.TOP_K_TEXT_BUCKETS[0]
         self.buckets = batch_buckets(num_slots)
         self.ring_attention = ring and ring_attention.available(device)
         if self.ring_attention:
@@ -86,7 +86,7 @@ class SlotGenerator:
         self._reset = GraphedCall(lm.reset_streaming, (torch.zeros(num_slots, dtype=torch.bool, device=device),),
                                   self.graphs.enabled)
         self._embed_prefill = GraphedCall(
-            self.embed, (torch.zeros(loaders.MAX_PREFILL_POSITIONS, STREAMS, dtype=torch.long, device=device),),
+            self.embed, (torch.zeros(tunables.MAX_PREFILL_POSITIONS, STREAMS, dtype=torch.long, device=device),),
             self.graphs.enabled)
         self._carry = None   # the CarriedRows of the step being run, None: consecutive slots' views
         self._filled = None  # moshi's attention: ring entries to gather (the CPU's steps)
@@ -108,8 +108,8 @@ class SlotGenerator:
 
     def start_many(self, params: dict[int, SamplingParams], reset_model: bool = True) -> None:
         """`start` of several slots at once, each with its settings: one reset of the model's
-        streaming state for them all (moshi's walks every module, whatever the rows: 3 ms on
-        the H200, so 64 conversations starting together took 200 ms of resets). Without
+        streaming state for them all (moshi's walks every module, whatever the rows, so a reset
+        a slot would add up to a long stall when many conversations start together). Without
         `reset_model` the caller puts each slot's model state in place (`reset_model`, or
         `restore`, which writes all of it)."""
         slots = to_device(torch.tensor(list(params)), self.device)
@@ -120,8 +120,8 @@ class SlotGenerator:
             self.sampling.set(slot, slot_params)
         # Graphs are keyed by fixed top-k buckets, never by a client's value.
         top_k, top_k_text = self.sampling.largest_top_k()
-        self.top_k_bound = bucket_for(max(top_k, 1), loaders.TOP_K_BUCKETS)
-        self.top_k_text_bound = bucket_for(max(top_k_text, 1), loaders.TOP_K_TEXT_BUCKETS)
+        self.top_k_bound = bucket_for(max(top_k, 1), tunables.TOP_K_BUCKETS)
+        self.top_k_text_bound = bucket_for(max(top_k_text, 1), tunables.TOP_K_TEXT_BUCKETS)
 
     def reset_model(self, slots: list[int]) -> None:
         """The model's streaming state of `slots` back to a fresh conversation's. (moshi's

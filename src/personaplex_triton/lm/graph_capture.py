@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..core import loaders
+from ..core import tunables
 from .step_inputs import tick_inputs
 
 if TYPE_CHECKING:
@@ -32,8 +32,8 @@ def capture_graphs(generator: SlotGenerator) -> int:
     bounds = (generator.top_k_text_bound, generator.top_k_bound)
     for b in generator.buckets:
         idle = torch.from_numpy(tick_inputs(np.arange(b), 0))  # no row steps: every slot stays as it was
-        for generator.top_k_text_bound in loaders.TOP_K_TEXT_BUCKETS:
-            for generator.top_k_bound in loaders.TOP_K_BUCKETS:
+        for generator.top_k_text_bound in tunables.TOP_K_TEXT_BUCKETS:
+            for generator.top_k_bound in tunables.TOP_K_BUCKETS:
                 generator.run_step(idle)
     generator.top_k_text_bound, generator.top_k_bound = bounds
     generator.prefill.capture()

@@ -80,8 +80,8 @@ class CastRingKVCache(RingKVCache):
 
 def _init_state(self, batch_size: int, dtype: torch.dtype) -> _MHAState:
     """moshi's `StreamingMultiheadAttention._init_streaming_state`, its cache in `dtype` from the
-    start: moshi's own allocates the whole pool's cache in the model's dtype first, and 128
-    conversations of bf16 cache do not fit in an H200."""
+    start: moshi's own allocates the whole pool's cache in the model's dtype first, and a large
+    pool's cache in bf16 does not fit in one GPU's memory."""
     weight = self.in_projs[0].weight
     cache = CastRingKVCache(batch_size, self.num_heads // self.kv_repeat, self.embed_dim // self.num_heads,
                             self.context, device=weight.device, dtype=dtype)
@@ -92,8 +92,8 @@ def _init_state(self, batch_size: int, dtype: torch.dtype) -> _MHAState:
 class FilledRingKVCache(RingKVCache):
     """moshi's ring KV cache, read up to the last entry any row has written: moshi's attention
     then takes its mask and softmax over the entries the conversations have, where it read the
-    whole context (3000 frames: 12 MB of keys and values a step at the embedded default's
-    widths, on a CPU a tenth of the tick), whose unwritten entries its mask drops anyway. The
+    whole context (3000 frames of keys and values a step, on a CPU a good part of the tick),
+    whose unwritten entries its mask drops anyway. The
     bound is read on the host, so it is for the CPU, not for a CUDA graph."""
 
     def complete(self, k: torch.Tensor, v: torch.Tensor, exec_mask: torch.Tensor) -> KVCacheResult:

@@ -2,34 +2,33 @@
 positions a pass and the rest in one (`pass_lengths`), each length with its graph, captured at
 load, over whichever slot its slot table names.
 
-Eager on a GPU, a pass of the 7B model is launch-bound: 67-75 ms on an H100 whatever its
-length, and about 80 ms more the first time a length is seen, while the live conversations'
-ticks wait for it (bench/results/2026-12-05-prefill-pieces-h100.md). A graph replays in the
-time its kernels take, 13-21 ms whatever its length, so a start costs its count of passes
-(a graph for each length up to PREFILL_CHUNK, not for powers of two only: 230 positions are 4
-passes, not 6). Inside the graph the slot's streaming state and its KV ring are gathered into
-one-row buffers, the pass runs there, and they are written back (slot_states.CarriedRows).
-The buffers hold a whole ring, so the pass runs the eager pass's kernels on the same shapes
-and the slot's state comes out bit for bit as an eager pass leaves it (tests/test_gpu.py); but
-only the ring's head moves in and out, the first `head` entries (loaders.MAX_PREFILL_POSITIONS,
-518): a started slot's ring is empty, a prefill fills no more than that, and moshi's attention
-masks every entry past the slot's end, so what the buffers hold there never counts. (Gathering
-and writing back the whole ring, 3,000 entries a layer, made a pass 21-27 ms on an H100 against
-13 over the head alone.) Off CUDA, with graphs off, past the head or of a length captured for
-none, a pass runs eagerly on the slot's own row.
+Eager on a GPU, a pass of the 7B model is launch-bound: it takes about as long whatever its
+length, and longer still the first time a length is seen, while the live conversations' ticks
+wait for it. A graph replays in the time its kernels take, so a prefill costs its count of
+passes (a graph for each length up to PREFILL_CHUNK, not for powers of two only, which would
+split a prefill into more passes). Inside the graph the slot's streaming state and its KV ring
+are gathered into one-row buffers, the pass runs there, and they are written back
+(slot_states.CarriedRows). The buffers hold a whole ring, so the pass runs the eager pass's
+kernels on the same shapes and the slot's state comes out bit for bit as an eager pass leaves
+it (tests/test_gpu.py); but only the ring's head moves in and out, the first `head` entries
+(tunables.MAX_PREFILL_POSITIONS): a freshly reset slot's ring is empty, a prefill fills no more
+than that, and moshi's attention masks every entry past the slot's end, so what the buffers
+hold there never counts (gathering and writing back the whole ring made every pass longer).
+Off CUDA, with graphs off, past the head or of a length captured for none, a pass runs eagerly
+on the slot's own row. The measurements are in docs/decisions.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..core import loaders
+from ..core import tunables
 from .slot_states import SlotStates
 from .step_graphs import capture
 
-# Prefill positions per transformer pass at most, a piece of a start: PersonaPlex's prefill (a
-# 199-frame voice, silences, the role prompt) is about 230 positions, so 3 passes of 64 and the
-# rest's, each holding the live conversations' ticks for a piece.
+# Prefill positions per transformer pass at most, a chunk of a prefill: a PersonaPlex prefill (a
+# voice prompt, silences, the role prompt) is a few hundred positions, so a few passes, each
+# holding the live conversations' ticks for a chunk.
 PREFILL_CHUNK = 64
 
 
@@ -48,7 +47,7 @@ class PrefillPasses:
         """`lm`: the streaming LMModel whose temporal transformer the passes run; `states`: its
         slots' streaming states; `enabled`: under CUDA graphs."""
         self.lm, self.states, self.enabled = lm, states, enabled
-        self.head = min(loaders.MAX_PREFILL_POSITIONS, lm.context)  # the ring entries a graphed pass moves
+        self.head = min(tunables.MAX_PREFILL_POSITIONS, lm.context)  # the ring entries a graphed pass moves
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if enabled:
             self._carried = states.one_slot()

@@ -34,12 +34,11 @@ except ImportError:  # the CPU install has no Triton: moshi's attention runs the
     triton = None
 
 MIN_SPLIT = 256        # ring entries per program, at least
-TARGET_PROGRAMS = 1024  # enough programs to keep every SM of an H200 (132) reading
+TARGET_PROGRAMS = 1024  # enough programs to keep every SM of a large GPU (over a hundred) reading
 BLOCK_N = 64            # entries per load
 # An fp8 ring's launch: fp16 dots (e4m3 to fp16 is one packed conversion on Hopper, to bf16 three)
-# in a 4-stage pipeline. On an H100 (bench/ring_attention.py, 2026-12-06) a layer at 128
-# conversations and full contexts took 1078 us against 1315 with bf16 dots (64: 618 against 720);
-# the 7B tick at 48 conversations 25.67 ms against 27.56 (bench/gpu_step.py).
+# in a 4-stage pipeline, which made a layer and the 7B tick faster than bf16 dots
+# (docs/decisions.md).
 FP8_LAUNCH = {"dot_dtype": torch.float16, "stages": 4}
 
 
@@ -56,10 +55,9 @@ if triton is not None:
         """One (conversation, head, split): an unnormalised softmax sum over the split's filled
         entries, with its maximum and sum. The scores come from tensor cores, the query repeated
         to 16 rows (tl.dot's least), so the tiles go through shared memory, pipelined (read as
-        vectors into registers they made the kernel 1.3x slower at 64 conversations); the
-        softmax then runs on one row of them, not on 16 equal rows (on the H200 at 64
-        conversations: fp8 ring 21.1 to 19.6 ms a step, bf16 unchanged at its bandwidth; the
-        fp8 ring is still read at about half of it)."""
+        vectors into registers they made the kernel slower); the softmax then runs on one row
+        of them, not on 16 equal rows, which shortened the fp8 ring's step and left bf16's,
+        already at its bandwidth, unchanged."""
         row = tl.program_id(0)
         split = tl.program_id(1)
         b = row // num_heads

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import loaders
+from ..core import loaders, tunables
 
 _MASK32 = 0xFFFFFFFF
 
@@ -63,12 +63,12 @@ class SamplingParams:
         for name, value in (("TEMPERATURE", self.temperature), ("TEMPERATURE_TEXT", self.temperature_text)):
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
-            if not self.greedy and not 0 < value <= loaders.MAX_TEMPERATURE:
-                raise ValueError(f"{name} must lie in (0, {loaders.MAX_TEMPERATURE:g}], got {value:g} "
+            if not self.greedy and not 0 < value <= tunables.MAX_TEMPERATURE:
+                raise ValueError(f"{name} must lie in (0, {tunables.MAX_TEMPERATURE:g}], got {value:g} "
                                  "(use GREEDY for argmax)")
         for name, value in (("TOP_K", self.top_k), ("TOP_K_TEXT", self.top_k_text)):
-            if not 1 <= value <= loaders.MAX_TOP_K:
-                raise ValueError(f"{name} must lie in [1, {loaders.MAX_TOP_K}], got {value}")
+            if not 1 <= value <= tunables.MAX_TOP_K:
+                raise ValueError(f"{name} must lie in [1, {tunables.MAX_TOP_K}], got {value}")
 
 
 class SlotSampling:

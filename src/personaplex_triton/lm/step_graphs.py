@@ -1,7 +1,7 @@
 """The slot generator's step under CUDA graphs, one graph per (batch bucket, top-k bucket).
 
-On GPUs eager PyTorch is launch-bound (about 180 ms a step for the 7B model on an H200, against
-about 15 ms with graphs), so the whole step, the unpacking of its inputs, the token grid's
+On GPUs eager PyTorch is launch-bound (an eager step of the 7B model takes many times as long
+as its graph), so the whole step, the unpacking of its inputs, the token grid's
 bookkeeping, the embeddings and the model, is one launch. The buckets (buckets.py) set the
 graphs' shapes; every graph is captured when the model loads (graph_capture.py). A step's
 inputs arrive as one packed tensor (step_inputs.py) and its embeddings, copied into the graph's

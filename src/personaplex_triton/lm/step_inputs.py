@@ -5,7 +5,7 @@ takes its tokens whole (prefill.py).
 A step reaches the device as one int64 tensor, [b, COLUMNS] (`pack`, or `tick_inputs` for a
 served tick, built in numpy), which the step unpacks on the device (`unpack`): one copy, where
 a tensor per input was a dozen PyTorch calls, each of which lets a Triton stub's other threads
-take the GIL from the tick (bench/tick_contention.py).
+take the GIL from the tick.
 """
 
 from __future__ import annotations

@@ -90,8 +90,8 @@ class TorchStepRunner(StepRunner):
     """The step in PyTorch: eager on the CPU. On a CUDA device a pool's step replays a CUDA
     graph, one per batch bucket (core/buckets.py; rows past the batch read and write the pool's
     spare row), which gathers the rows' state, steps them and writes their state back: eager,
-    that is a few hundred small kernels, whose launches kept the talker's encode thread busy
-    75% of the time at 64 conversations on the H200 (docs/gpu-serving-log.md)."""
+    that is a few hundred small kernels, whose launches would keep the talker's encode thread
+    busy most of the time under load."""
 
     def __init__(self, stage: str, mimi, skipped=(), cuda_graphs: bool | None = None):
         self.step: MimiStep = STEPS[stage](mimi).eval()

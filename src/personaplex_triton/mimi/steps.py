@@ -23,8 +23,8 @@ runs them fast on a CPU, time-major ([B, T, C]) from the input to the output:
 State of a stream = [offset (int64, transformer steps done)] + the tensors its modules take,
 in the order they take them. A fresh stream is all zeros. A step outputs the new value of
 every state tensor except the rings (`TensorSpec.ring`), of which it outputs only the new
-entries; `write_state` puts them in place. Copying a whole ring in and out of every step cost
-the decoder a tenth of its time at batch 1 (8 MB of keys and values, for 2 new positions).
+entries; `write_state` puts them in place: copying a whole ring in and out of every step would
+move megabytes of keys and values for 2 new positions.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class OneEngineMetrics(Metrics):
     """The one engine's metrics are the talker's. Those true of code2wav too are its as well, as
     dashboards and the health check (health.py) read each model's: the conversations (each holds
     a decoder stream), the frames answered (each was decoded), the heartbeat and the sends'
-    backlog. Its ticks are the talker's alone: code2wav has none of its own."""
+    backlog. Its ticks are the talker's alone: code2wav has none of its own. What the stage took
+    at load (`loaded`) is the talker's here; OneStubService gives code2wav's metrics its own."""
 
     def __init__(self, talker: Metrics, code2wav: Metrics):
         self.talker, self.code2wav = talker, code2wav
@@ -61,6 +62,10 @@ class OneEngineMetrics(Metrics):
         self.talker.sends_behind(seconds)
         self.code2wav.sends_behind(seconds)
 
+    def loaded(self, slots: int, send_threads: int, mimi_part: str, mimi_runtime: str,
+               warm_personas: list[str] | None = None, kv_dtype: str | None = None) -> None:
+        self.talker.loaded(slots, send_threads, mimi_part, mimi_runtime, warm_personas, kv_dtype)
+
     def close(self) -> None:
         self.talker.close()
         self.code2wav.close()
@@ -73,7 +78,10 @@ class OneStubService(TalkerService):
 
     def __init__(self, config: SpeechConfig, talker_metrics: Metrics | None = None,
                  code2wav_metrics: Metrics | None = None):
-        super().__init__(config, metrics=OneEngineMetrics(talker_metrics or Metrics(), code2wav_metrics or Metrics()))
+        code2wav_metrics = code2wav_metrics or Metrics()
+        super().__init__(config, metrics=OneEngineMetrics(talker_metrics or Metrics(), code2wav_metrics))
+        code2wav = self.code2wav_info
+        code2wav_metrics.loaded(code2wav.slots, self.config.send_threads, "decoder", code2wav.mimi_runtime)
 
     def _open_stage(self, config: SpeechConfig):
         stage, (info, self.code2wav_info) = open_stage("speech", build_one_tick, config, self.metrics)

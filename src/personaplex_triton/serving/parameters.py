@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
-from ..core import loaders
+from ..core import loaders, tunables
 
 
 class ParameterError(ValueError):
@@ -143,7 +143,7 @@ class StageConfig:
         """The config with nothing left to choose: the checkpoint (loaders.checkpoint_spec); the
         device (the instance's GPU `gpu_index`, any CUDA device, else the CPU); `stage_process`
         auto on a GPU only (on a few CPU cores two more processes cost more than they save);
-        `send_threads` auto: loaders.STAGE_PROCESS_SEND_THREADS in a process of its own, else 1
+        `send_threads` auto: tunables.STAGE_PROCESS_SEND_THREADS in a process of its own, else 1
         (beside the tick in the stub, more threads only contend for its GIL)."""
         device = self.device
         if device in ("", "auto"):
@@ -151,7 +151,7 @@ class StageConfig:
 
             device = "cpu" if not torch.cuda.is_available() else "cuda" if gpu_index is None else f"cuda:{gpu_index}"
         own_process = device.startswith("cuda") if self.stage_process is None else self.stage_process
-        threads = self.send_threads or (loaders.STAGE_PROCESS_SEND_THREADS if own_process else 1)
+        threads = self.send_threads or (tunables.STAGE_PROCESS_SEND_THREADS if own_process else 1)
         return replace(self, checkpoint=loaders.checkpoint_spec(self.checkpoint), device=device,
                        stage_process=own_process, send_threads=threads)
 
@@ -165,14 +165,14 @@ class Code2WavConfig(StageConfig):
     max_conversations: int | None = parameter(
         "auto", auto_or(whole(1)),
         "More than the talker's: a conversation that ends without FINAL holds its slot until replaced. auto: "
-        f"{loaders.CPU_DECODER_SLOTS} on a CPU, {loaders.GPU_DECODER_SLOTS} on a GPU.")
+        f"{tunables.CPU_DECODER_SLOTS} on a CPU, {tunables.GPU_DECODER_SLOTS} on a GPU.")
 
 
 @dataclass(frozen=True)
 class TalkerConfig(StageConfig):
     max_conversations: int | None = parameter(
         "auto", auto_or(whole(1)),
-        f"Conversation slots of one instance: a number, or auto: {loaders.CPU_TALKER_SLOTS} on a CPU; on a GPU "
+        f"Conversation slots of one instance: a number, or auto: {tunables.CPU_TALKER_SLOTS} on a CPU; on a GPU "
         "as many as fit in free memory at the full 3000-frame context (the server log says how many and why).")
     idle_timeout_s: float = parameter(
         IDLE_TIMEOUT_S, positive_seconds,
@@ -192,7 +192,7 @@ class TalkerConfig(StageConfig):
         "all", voice_names, 'Personas prefilled at load (into the cache): "all" voices of the checkpoint, or '
                             'names ("NATF0,NATM0"), each with an empty role prompt; "" none.')
     prefill_chunk_spacing: int = parameter(
-        str(loaders.START_PIECE_SPACING_TICKS), whole(1),
+        str(tunables.PREFILL_CHUNK_SPACING_TICKS), whole(1),
         "Ticks of the live conversations between two chunks of a new persona's prefill while their frames wait: "
         "more keeps more of their frames on time and makes the newcomer wait longer for its first answer; 1: a "
         "chunk after every tick.")
@@ -204,7 +204,7 @@ class SpeechConfig(TalkerConfig):
 
     code2wav_conversations: int | None = parameter(
         "auto", auto_or(whole(1)),
-        f"code2wav's conversation slots: auto: {loaders.CPU_DECODER_SLOTS} on a CPU, {loaders.GPU_DECODER_SLOTS} "
+        f"code2wav's conversation slots: auto: {tunables.CPU_DECODER_SLOTS} on a CPU, {tunables.GPU_DECODER_SLOTS} "
         "on a GPU.")
 
     def code2wav(self) -> Code2WavConfig:

@@ -9,16 +9,14 @@ the end (after a last frame, it has nothing left to say).
 
 from __future__ import annotations
 
-import datetime
 import logging
-import re
 import secrets
 from typing import Callable
 
 import numpy as np
 
-from ..core import contract, loaders, metrics as reasons, seam
-from ..core.faults import FaultPlan
+from ..core import contract, loaders, metrics as reasons, seam, tunables
+from ..core.fault_injection import FaultPlan
 from ..core.metrics import Metrics
 from ..engine.engine import ConversationError, SlotEngine
 from ..lm.sampling import SamplingParams
@@ -42,7 +40,7 @@ class InputError(ValueError):
 
 
 class LimitError(InputError):
-    """A request over one of the documented limits (loaders.MAX_*)."""
+    """A request over one of the documented limits (tunables.MAX_*)."""
 
     reason = reasons.LIMIT
 
@@ -59,9 +57,9 @@ def audio_frames(audio: np.ndarray | None) -> np.ndarray:
         raise InputError(
             f"{contract.AUDIO_IN} must hold a whole number of {contract.FRAME_SAMPLES}-sample frames, "
             f"got {audio.size} samples")
-    if audio.size > loaders.MAX_FRAMES_PER_REQUEST * contract.FRAME_SAMPLES:
+    if audio.size > tunables.MAX_FRAMES_PER_REQUEST * contract.FRAME_SAMPLES:
         raise LimitError(f"{contract.AUDIO_IN} holds {audio.size // contract.FRAME_SAMPLES} frames; the limit "
-                         f"is {loaders.MAX_FRAMES_PER_REQUEST} per request")
+                         f"is {tunables.MAX_FRAMES_PER_REQUEST} per request")
     if not np.isfinite(audio).all():
         raise InputError(f"{contract.AUDIO_IN} holds NaN or infinite samples")
     if audio.size and np.abs(audio).max() > 1.0:
@@ -111,60 +109,15 @@ def refuse(finish: Finish, error: InputError | ConversationError, metrics: Metri
     finish(str(error))
 
 
-def slots_log_line(model: str, slots: int, why: str) -> str:
-    """What a stage logs at load about its pool; `slots_in_log` reads it back."""
-    return f"{model}: {slots} conversation slots ({why})"
-
-
-def slots_in_log(text: str) -> dict[str, int]:
-    """{model: slots} from a tritonserver log."""
-    return {model: int(n) for model, n in re.findall(r"(\w+): (\d+) conversation slots \(", text)}
-
-
-def send_threads_in_log(text: str) -> dict[str, int]:
-    """{model: send threads} from a tritonserver log (load_log_lines)."""
-    return {model: int(n) for model, n in re.findall(r"(\w+): (\d+) send thread\(s\)", text)}
-
-
-# A start's line (engine_loop.STARTED_LOG) as tritonserver logs it: "I1205 07:29:18.668348 ...".
-_STARTED_IN_LOG = re.compile(
-    r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) .*?(\w+): started (\d+) conversation\(s\) in ([\d.]+) ms "
-    r"over (\d+) piece\(s\), the longest ([\d.]+) ms(?:; \d+ live; begun in ([\d.]+) ms, pieces ([\d.]+(?:, [\d.]+)*) ms)?", re.M)
-
-
-def starts_in_log(text: str, year: int) -> list[dict]:
-    """Each start the stages' engines logged in a tritonserver log of `year` (its lines give no
-    year), in order: when it ended (`at`, seconds since the epoch, the server's local time),
-    `stage`, `conversations`, `ms` (the whole start), `pieces`, `longest_ms` (the longest piece:
-    what the live conversations' frames waited for it), and, where the line has them (older
-    logs lack them), `begin_ms` (`begin_starts`: a round trip to a stage's own process) and
-    `pieces_ms` (each piece as the engine's loop waited for it); else None."""
-    starts = []
-    for month, day, hour, minute, second, stage, n, ms, pieces, longest, begun, each in _STARTED_IN_LOG.findall(text):
-        at = datetime.datetime(year, int(month), int(day), int(hour), int(minute)).timestamp() + float(second)
-        starts.append({"at": at, "stage": stage, "conversations": int(n), "ms": float(ms), "pieces": int(pieces),
-                       "longest_ms": float(longest), "begin_ms": float(begun) if begun else None,
-                       "pieces_ms": [float(piece) for piece in each.split(", ")] if each else None})
-    return starts
-
-
-def warmed_log_line(model: str, voices: list[str]) -> str:
-    """What the talker logs at load about the personas it prefilled; `warmed_in_log` reads it back."""
-    return f"{model}: personas prefilled at load: {', '.join(voices) or 'none'}"
-
-
 def load_log_lines(model: str, info: StageInfo, send_threads: int) -> list[str]:
-    """What a stage's model logs once loaded: its Mimi runtime, its pool, its send threads and,
-    for the talker, the personas prefilled (the benchmarks read them back from the server's log)."""
-    lines = [f"{model}: {info.mimi}", slots_log_line(model, info.slots, info.slots_why),
+    """What a stage's model logs once loaded, for people: its Mimi runtime, its pool, its send
+    threads and, for the talker, the personas prefilled (programs read the same from the
+    model's metrics: core/metrics.stage_setups)."""
+    lines = [f"{model}: {info.mimi}", f"{model}: {info.slots} conversation slots ({info.slots_why})",
              f"{model}: {send_threads} send thread(s)"]
-    return lines + ([] if info.warmed is None else [warmed_log_line(model, info.warmed)])
-
-
-def warmed_in_log(text: str) -> list[str]:
-    """The voices prefilled at load (each with an empty role prompt), from a tritonserver log."""
-    found = re.search(r': personas prefilled at load: ([^"\n]*)', text)  # Triton quotes a model's log line
-    return [] if found is None or found.group(1).strip() == "none" else found.group(1).strip().split(", ")
+    if info.warmed is not None:
+        lines.append(f"{model}: personas prefilled at load: {', '.join(info.warmed) or 'none'}")
+    return lines
 
 
 class TalkerService:
@@ -190,9 +143,11 @@ class TalkerService:
         self.engine = SlotEngine(self.talker, name="talker", evict_after_s=config.idle_timeout_s,
                                  idle_timeout_s=config.idle_timeout_s, metrics=self.metrics,
                                  faults=FaultPlan.from_env(),
-                                 admission_tick_s=loaders.GPU_ADMISSION_TICK_S if config.on_gpu else 0.0,
-                                 admit_by_sends=config.on_gpu, piece_spacing_ticks=config.prefill_chunk_spacing,
+                                 admission_tick_s=tunables.GPU_ADMISSION_TICK_S if config.on_gpu else 0.0,
+                                 admit_by_sends=config.on_gpu, chunk_spacing_ticks=config.prefill_chunk_spacing,
                                  send_threads=config.send_threads, downstream_behind_s=downstream_behind_s)
+        self.metrics.loaded(self.info.slots, config.send_threads, "encoder", self.info.mimi_runtime,
+                            self.info.warmed, self.info.kv_dtype)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:
@@ -299,7 +254,8 @@ class Code2WavService:
         # The talker admits them: code2wav refuses none for time or for its sends.
         self.engine = SlotEngine(self.code2wav, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=config.idle_timeout_s, metrics=self.metrics, gather=tick_group,
-                                 gather_max_s=loaders.CODE2WAV_GATHER_MAX_S, send_threads=config.send_threads)
+                                 gather_max_s=tunables.CODE2WAV_GATHER_MAX_S, send_threads=config.send_threads)
+        self.metrics.loaded(self.info.slots, config.send_threads, "decoder", self.info.mimi_runtime)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:
@@ -341,5 +297,5 @@ class Code2WavService:
 
     def close(self) -> None:
         self.engine.shutdown()
-        getattr(self.code2wav, "close", lambda: None)()
+        self.code2wav.close()
         self.metrics.close()

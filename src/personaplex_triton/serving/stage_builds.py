@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..core import gpu_waits, loaders
+from ..core import gpu_waits, loaders, tunables
 from .parameters import Code2WavConfig, SpeechConfig, StageConfig, TalkerConfig
 
 Emit = Callable[..., None]
@@ -23,21 +23,23 @@ class StageInfo:
     slots: int          # conversation slots
     slots_why: str      # how that number was chosen
     mimi: str           # the Mimi runtime, described (runtime.StepRunner.describe)
+    mimi_runtime: str   # its name: tensorrt, onnxruntime or torch
     warmed: list[str] | None = None  # the talker's personas prefilled at load
+    kv_dtype: str | None = None      # what the talker's KV cache stores
 
 
 def use_device_threads(device: str) -> None:
-    """On a CPU, PyTorch's intra-op threads of this process (loaders.CPU_TORCH_THREADS: why).
+    """On a CPU, PyTorch's intra-op threads of this process (tunables.CPU_TORCH_THREADS: why).
     On a GPU, how long a thread that wants the GIL waits for another to give it up
-    (loaders.GPU_GIL_SWITCH_S: why), and threads that wait for the GPU sleep instead of
+    (tunables.GPU_GIL_SWITCH_S: why), and threads that wait for the GPU sleep instead of
     spinning a core (core/gpu_waits.py)."""
     import torch
 
     if device.startswith("cuda"):
-        sys.setswitchinterval(loaders.GPU_GIL_SWITCH_S)
+        sys.setswitchinterval(tunables.GPU_GIL_SWITCH_S)
         gpu_waits.sleep_while_gpu_works(device)
     else:
-        torch.set_num_threads(loaders.CPU_TORCH_THREADS)
+        torch.set_num_threads(tunables.CPU_TORCH_THREADS)
 
 
 def pool_size(configured: int | None, device: str, cpu_default: int, on_gpu) -> tuple[int, str]:
@@ -68,37 +70,37 @@ def build_talker(config: TalkerConfig, emit: Emit, code2wav_in_process: bool = F
     files = loaders.resolve_checkpoint(config.checkpoint)
     lm = loaders.get_lm(files, device, None if config.dtype == "auto" else getattr(torch, config.dtype))
     kv = kv_cache.resolve(config.kv_dtype, device, next(lm.parameters()).dtype)
-    mimi = open_step("encoder", files, config.mimi_runtime, device, threads=loaders.CPU_ENCODER_THREADS)
+    mimi = open_step("encoder", files, config.mimi_runtime, device, threads=tunables.CPU_ENCODER_THREADS)
     tokenizer = loaders.get_tokenizer(files)
-    slots, why = pool_size(config.max_conversations, device, loaders.CPU_TALKER_SLOTS,
+    slots, why = pool_size(config.max_conversations, device, tunables.CPU_TALKER_SLOTS,
                            lambda: conversations_that_fit(lm, mimi, kv, code2wav_in_process))
     talker = Talker(lm, mimi, tokenizer, slots, config.persona_cache_size, kv_dtype=kv)
     names = files.voice_names() if config.warm_personas is None else list(config.warm_personas)
     warmed = names[:talker.persona_cache.capacity]
     personas = PersonaLibrary(files, tokenizer, only=warmed)  # the requests' library is the service's
     for name in warmed:
-        talker.start(0, TalkerSetup(personas.persona(name, ""), SamplingParams()))
+        talker.prefill(0, TalkerSetup(personas.persona(name, ""), SamplingParams()))
         talker.stop(0)
     talker.persona_cache.on_lookup = lambda hit: emit("persona_cache_lookup", hit)  # after warming: clients' only
-    return talker, StageInfo(slots, why, mimi.describe(), warmed)
+    return talker, StageInfo(slots, why, mimi.describe(), mimi.runtime, warmed, str(kv).removeprefix("torch."))
 
 
 def build_code2wav(config: Code2WavConfig, emit: Emit):
     """Code2wav (stages/code2wav.Code2Wav): Mimi's decoder on the config's device and its pool;
     on a GPU its largest tick's memory taken at once (planned with the talker's pool:
-    loaders.GPU_DECODER_RESERVED_BYTES)."""
+    tunables.GPU_DECODER_RESERVED_BYTES)."""
     from ..mimi.runtime import open_step
     from ..stages.code2wav import Code2Wav
 
     use_device_threads(config.device)
     files = loaders.resolve_checkpoint(config.checkpoint)
     mimi = open_step("decoder", files, config.mimi_runtime, config.device)
-    slots, why = pool_size(config.max_conversations, config.device, loaders.CPU_DECODER_SLOTS,
-                           lambda: (loaders.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
+    slots, why = pool_size(config.max_conversations, config.device, tunables.CPU_DECODER_SLOTS,
+                           lambda: (tunables.GPU_DECODER_SLOTS, "auto: the default on a GPU"))
     code2wav = Code2Wav(mimi, slots)
     if config.on_gpu:
         code2wav.take_largest_tick()
-    return code2wav, StageInfo(slots, why, mimi.describe())
+    return code2wav, StageInfo(slots, why, mimi.describe(), mimi.runtime)
 
 
 def build_one_tick(config: SpeechConfig, emit: Emit):

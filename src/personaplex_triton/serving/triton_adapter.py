@@ -228,6 +228,16 @@ class TritonMetrics(Metrics):
         if self._sends_gauge is not None:
             self._sends_gauge.write(seconds)
 
+    def loaded(self, slots: int, send_threads: int, mimi_part: str, mimi_runtime: str,
+               warm_personas: list[str] | None = None, kv_dtype: str | None = None) -> None:
+        self._updates.set(("personaplex_conversation_slots", ()), slots)
+        self._updates.set(("personaplex_send_threads", ()), send_threads)
+        self._updates.set(("personaplex_mimi_runtime", (("part", mimi_part), ("runtime", mimi_runtime))), 1)
+        for voice in warm_personas or ():
+            self._updates.set(("personaplex_persona_warm", (("voice", voice),)), 1)
+        if kv_dtype is not None:
+            self._updates.set(("personaplex_kv_cache_dtype", (("dtype", kv_dtype),)), 1)
+
     def close(self) -> None:
         if self._sends_gauge is not None:
             self._sends_gauge.close()

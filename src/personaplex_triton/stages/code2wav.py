@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..engine.stage import Stage
 from ..mimi.runtime import StepRunner
 from ..mimi.stream import MimiSlots
 
@@ -24,23 +25,23 @@ def tick_group(frame: CodesFrame) -> tuple[int, int] | None:
     return frame.tick
 
 
-class Code2Wav:
+class Code2Wav(Stage):
     """A `Stage` of the slot engine: agent codes [8] in, 1920 PCM samples out, per slot."""
 
     def __init__(self, decoder: StepRunner, num_slots: int):
         self.num_slots = num_slots
         self.mimi = MimiSlots(decoder, num_slots)
 
-    def start(self, slot: int, setup=None) -> None:
-        self.start_many({slot: setup})
+    def prefill(self, slot: int, setup=None) -> None:
+        self.prefill_many({slot: setup})
 
-    def start_many(self, setups: dict) -> dict[int, Exception]:
+    def prefill_many(self, setups: dict) -> dict[int, Exception]:
         """Fresh decoder streams for these slots, in one reset; none can fail."""
         self.mimi.reset(list(setups))
         return {}
 
     def stop(self, slot: int) -> None:
-        pass  # the next start resets the row
+        pass  # the next prefill resets the row
 
     def take_largest_tick(self) -> None:
         """Decode one frame in every slot, then reset them all: the memory of the largest tick

@@ -3,9 +3,9 @@ it answered.
 
 Chained as two engines (two stubs, model_repository), a frame's codes leave the talker's tick, are handed
 to code2wav's engine, wait for its next tick and, on a GPU, cross into a second process and CUDA
-context, which time-slices the card with the talker's. At 1 conversation on an H100 that was
-about 1 ms of a 15.2 ms frame (docs/gpu-serving-log.md). Here the decode follows the step in the
-same call, process and CUDA context; the tick's answer is the frame's audio and text.
+context, which time-slices the card with the talker's: latency a frame pays for nothing. Here
+the decode follows the step in the same call, process and CUDA context; the tick's answer is
+the frame's audio and text.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..core.faults import StepNotRepeatable
-from ..engine.starts import StartJob
+from ..core.errors import StepNotRepeatable
+from ..engine.stage import Stage
+from ..engine.prefills import PrefillJob
 from .code2wav import Code2Wav, CodesFrame
 from .talker import AgentStep, Talker, TalkerSetup
 
@@ -34,7 +35,7 @@ class OneTickFrame:
     pcm: np.ndarray
 
 
-class OneTickStage:
+class OneTickStage(Stage):
     def __init__(self, talker: Talker, code2wav: Code2Wav):
         self.talker = talker
         self.code2wav = code2wav
@@ -43,16 +44,16 @@ class OneTickStage:
         # frame trace: the tick's two parts are the two stages' ticks (core/trace.py).
         self.last_tick_split: float | None = None
 
-    def start_many(self, setups: dict[int, TalkerSetup]) -> dict[int, Exception]:
-        failed = self.talker.start_many(setups)
-        self.code2wav.start_many({slot: None for slot in setups if slot not in failed})
+    def prefill_many(self, setups: dict[int, TalkerSetup]) -> dict[int, Exception]:
+        failed = self.talker.prefill_many(setups)
+        self.code2wav.prefill_many({slot: None for slot in setups if slot not in failed})
         return failed
 
-    def begin_starts(self, setups: dict[int, TalkerSetup]) -> StartJob:
-        """The talker's start in pieces; the decoder's streams are reset at once (one reset, no
-        model pass), as a slot that fails to start is never ticked."""
-        self.code2wav.start_many({slot: None for slot in setups})
-        return self.talker.begin_starts(setups)
+    def begin_prefills(self, setups: dict[int, TalkerSetup]) -> PrefillJob:
+        """The talker's prefill in chunks; the decoder's streams are reset at once (one reset,
+        no model pass), as a slot that fails its prefill is never ticked."""
+        self.code2wav.prefill_many({slot: None for slot in setups})
+        return self.talker.begin_prefills(setups)
 
     def stop(self, slot: int) -> None:
         self.talker.stop(slot)

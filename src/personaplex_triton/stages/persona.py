@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core import audio, loaders
+from ..core import audio, loaders, tunables
 from ..core.contract import FRAME_RATE, FRAME_SAMPLES, SAMPLE_RATE
 
 
@@ -25,10 +25,9 @@ class VoicePrompt:
     1..N-1) and `cache` [1, 17, ring] (the token ring buffer after them). wav: the frames
     [N, 1920], loudness-normalised, Mimi-encoded as they are played.
 
-    A voice loaded from a file (`source`) pickles as that file's name: a new persona's start
+    A voice loaded from a file (`source`) pickles as that file's name: a new persona's prefill
     crosses to the talker's process (engine/stage_process.py), which loaded the same voices,
-    where a 7B bundle's tensors (3.6 MB) made that crossing, on the engine's loop, 6.86 ms at the
-    median against 0.27 (2 CPU cores; `python -m bench.start_crossing --bundle-dim 4096`).
+    so a 7B bundle's tensors (megabytes) need not cross the pipe on the engine's loop.
     """
 
     name: str
@@ -81,18 +80,18 @@ def wrap_system_prompt(text: str) -> str:
 
 
 class PromptTooLong(ValueError):
-    """A role or voice prompt over its limit (loaders.MAX_*); the message says which and by how much."""
+    """A role or voice prompt over its limit (tunables.MAX_*); the message says which and by how much."""
 
 
 def system_prompt_tokens(tokenizer, text: str) -> tuple[int, ...]:
     """The prompt's text tokens; an empty prompt prefills no text (the reference crashes)."""
     if not text.strip():
         return ()
-    if len(text) > loaders.MAX_ROLE_PROMPT_CHARS:
-        raise PromptTooLong(f"TEXT_PROMPT has {len(text)} characters; the limit is {loaders.MAX_ROLE_PROMPT_CHARS}")
+    if len(text) > tunables.MAX_ROLE_PROMPT_CHARS:
+        raise PromptTooLong(f"TEXT_PROMPT has {len(text)} characters; the limit is {tunables.MAX_ROLE_PROMPT_CHARS}")
     tokens = tuple(tokenizer.encode(wrap_system_prompt(text)))
-    if len(tokens) > loaders.MAX_ROLE_PROMPT_TOKENS:
-        raise PromptTooLong(f"TEXT_PROMPT is {len(tokens)} tokens long; the limit is {loaders.MAX_ROLE_PROMPT_TOKENS}")
+    if len(tokens) > tunables.MAX_ROLE_PROMPT_TOKENS:
+        raise PromptTooLong(f"TEXT_PROMPT is {len(tokens)} tokens long; the limit is {tunables.MAX_ROLE_PROMPT_TOKENS}")
     return tokens
 
 
@@ -129,10 +128,10 @@ class PersonaLibrary:
         voice = self._voices.get(path)
         if voice is None:
             raise loaders.CheckpointError(f"voice {path.name} was added after the model loaded; reload the model")
-        if voice.num_frames > loaders.MAX_VOICE_PROMPT_FRAMES:
+        if voice.num_frames > tunables.MAX_VOICE_PROMPT_FRAMES:
             raise PromptTooLong(
                 f"voice {voice.name!r} is {voice.num_frames} frames long; the limit is "
-                f"{loaders.MAX_VOICE_PROMPT_FRAMES} ({loaders.MAX_VOICE_PROMPT_FRAMES / FRAME_RATE:g} s)")
+                f"{tunables.MAX_VOICE_PROMPT_FRAMES} ({tunables.MAX_VOICE_PROMPT_FRAMES / FRAME_RATE:g} s)")
         return voice
 
     def persona(self, voice: str | None, text_prompt: str) -> Persona:

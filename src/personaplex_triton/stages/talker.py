@@ -23,14 +23,15 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..core import loaders
+from ..core import loaders, tunables
 from ..core.buckets import bucket_for
-from ..core.faults import SlotFault
-from ..engine.starts import Failed, StartJob
+from ..core.errors import SlotFault
+from ..engine.stage import Stage
+from ..engine.prefills import Failed, PrefillJob
 from ..lm import kv_cache
 from ..lm.generation import SlotGenerator
 from ..lm.graph_capture import capture_graphs
-from ..lm.prefill import prefill_pieces, run_pieces
+from ..lm.prefill import prefill_chunks, run_chunks
 from ..lm.sampling import SamplingParams
 from ..lm.step_inputs import HAS_OUTPUT, POSITION, tick_inputs
 from ..lm.token_grid import NUM_AUDIO
@@ -52,7 +53,7 @@ class PrefillStep:
     restore_cache: torch.Tensor | None = None  # applied after the step
 
 
-VOICE_FRAMES_A_PIECE = 16  # a WAV voice prompt's frames Mimi codes in one piece of a start
+VOICE_FRAMES_A_CHUNK = 16  # a WAV voice prompt's frames Mimi codes in one chunk of a prefill
 
 
 def voice_program(voice: VoicePrompt, initial_audio_token: int) -> Iterator[PrefillStep]:
@@ -132,7 +133,7 @@ class PersonaCache:
         return len(self._snapshots)
 
 
-class Talker:
+class Talker(Stage):
     def __init__(self, lm, encoder: StepRunner, tokenizer, num_slots: int, persona_cache_size: int = 0,
                  cuda_graphs: bool = True, ring_attention: bool = True, kv_dtype: torch.dtype | None = None,
                  encode_after: bool = True):
@@ -140,11 +141,10 @@ class Talker:
         the next tick that steps one of those slots takes them. A step's samples do not depend
         on its own frame's codes (its input is the previous position; the depformer skips the
         user's codebooks), only the next step's do, so the tokens are the same and the encode
-        (about a fifth of a CPU frame, 2.5 to 6 ms of an H200's tick) leaves each frame's
-        latency. On a CPU the encode runs on a thread of its own while the answers leave and
-        the decoder runs; on a CUDA device it is queued on a stream of its own beside the step,
-        and the next tick's step waits for it on the GPU, not the host (on a thread, the
-        tick's thread waited for it in a fifth of its time at 64 conversations on the H200)."""
+        (a sizeable part of a tick) leaves each frame's latency. On a CPU the encode runs on a
+        thread of its own while the answers leave and the decoder runs; on a CUDA device it is
+        queued on a stream of its own beside the step, and the next tick's step waits for it on
+        the GPU, not the host (on a host thread, the tick's thread would wait for it)."""
         self.lm = lm
         self.tokenizer = tokenizer
         self.num_slots = num_slots
@@ -160,7 +160,7 @@ class Talker:
         # encodes not yet written: (their codes, a future or a QueuedEncode; slots; positions)
         self._encodings: list[tuple] = []
         self._unencoded: dict[int, str] = {}  # slot -> why its last frame has no user codes
-        self._prefilling: set[tuple] = set()  # the persona keys a start is prefilling, in pieces
+        self._prefilling: set[tuple] = set()  # the persona keys a chunked prefill is playing
         # tick ids unique across the talker instances that share a decoder: a random high half
         self._ticks = itertools.count(secrets.randbits(30) << 32)
 
@@ -190,33 +190,33 @@ class Talker:
             self.generator.force_user(encoded, positions, codes)
         self._encodings = pending
 
-    def start(self, slot: int, setup: "TalkerSetup") -> None:
-        failed = self.start_many({slot: setup})
+    def prefill(self, slot: int, setup: "TalkerSetup") -> None:
+        failed = self.prefill_many({slot: setup})
         if slot in failed:
             raise failed[slot]
 
-    def start_many(self, setups: dict[int, "TalkerSetup"]) -> Failed:
-        """Start conversations in their slots together, at once; returns those that could not,
-        with why (`begin_starts`; a persona a start in pieces is prefilling meanwhile is
-        prefilled again, as nothing else runs until this start is done)."""
+    def prefill_many(self, setups: dict[int, "TalkerSetup"]) -> Failed:
+        """Prefill conversations in their slots together, at once; returns those that could
+        not, with why (`begin_prefills`; a persona a chunked prefill is playing meanwhile is
+        played again, as nothing else runs until this prefill is done)."""
         failed: Failed = {}
-        run_pieces(self._start_pieces(setups, failed, wait_for_others=False))
+        run_chunks(self._prefill_chunks(setups, failed, wait_for_others=False))
         return failed
 
-    def begin_starts(self, setups: dict[int, "TalkerSetup"]) -> StartJob:
-        """Start conversations in their slots together, in pieces that other slots may tick
-        between (engine/starts.py): bad settings or a persona that cannot play fail their own
+    def begin_prefills(self, setups: dict[int, "TalkerSetup"]) -> PrefillJob:
+        """Prefill conversations in their slots together, in chunks that other slots may tick
+        between (engine/prefills.py): bad settings or a persona that cannot play fail their own
         conversations only.
 
         Mimi's streaming state is reset once for them all. A persona in the cache is copied
         into all of its slots at once (the copy is the model's whole state: no reset of the
         model first, which is hundreds of PyTorch calls); a new one is prefilled in its first
-        slot, freshly reset, a transformer pass a piece (the first with the setup), then copied
-        into the others. A start that needs a persona another start is prefilling waits for it,
+        slot, freshly reset, a transformer pass a chunk (the first with the setup), then copied
+        into the others. A prefill that needs a persona another prefill is playing waits for it,
         then takes it from the cache."""
-        return StartJob(lambda failed: self._start_pieces(setups, failed))
+        return PrefillJob(lambda failed: self._prefill_chunks(setups, failed))
 
-    def _start_pieces(self, setups: dict[int, "TalkerSetup"], failed: Failed,
+    def _prefill_chunks(self, setups: dict[int, "TalkerSetup"], failed: Failed,
                       wait_for_others: bool = True) -> Iterator[None]:
         self.settle()
         for slot, setup in setups.items():
@@ -235,7 +235,7 @@ class Talker:
             by_persona.setdefault(setup.persona.key, []).append(slot)
         for key, slots in by_persona.items():
             try:
-                while wait_for_others and key in self._prefilling:  # another start's prefill will cache it
+                while wait_for_others and key in self._prefilling:  # another prefill will cache it
                     yield
                 snap = self.persona_cache.get(key)
                 if snap is None:
@@ -243,14 +243,14 @@ class Talker:
                     self.generator.reset_model([first])
                     self._prefilling.add(key)
                     try:
-                        inputs = yield from self.play_pieces(first, prefill_program(ready[first].persona,
+                        inputs = yield from self.play_chunks(first, prefill_program(ready[first].persona,
                                                                                     self.lm.initial_token_id))
                     finally:
                         self._prefilling.discard(key)
                     # its length from the host: read back, it would wait for the passes queued
                     snap = self.generator.snapshot(first, filled=len(inputs))
                     self.persona_cache.put(key, snap)
-                    self.settle()  # the encodes of the ticks between the pieces, before Mimi's reset
+                    self.settle()  # the encodes of the ticks between the chunks, before Mimi's reset
                     self.mimi.reset([first])  # Mimi starts afresh on the user's audio
                 if slots:
                     self.generator.restore(slots, snap)
@@ -258,22 +258,22 @@ class Talker:
                 failed.update((slot, exc) for slot in by_persona[key])
 
     def stop(self, slot: int) -> None:
-        self._unencoded.pop(slot, None)  # the next start resets the slot
+        self._unencoded.pop(slot, None)  # the next prefill resets the slot
 
     def play(self, slot: int, program: Iterator[PrefillStep]) -> torch.Tensor:
         """Play prefill steps into a started slot at once (prefill.py); returns the
         input embeddings of the steps that ran the model [M, 1, dim]."""
-        return run_pieces(self.play_pieces(slot, program))
+        return run_chunks(self.play_chunks(slot, program))
 
-    def play_pieces(self, slot: int, program: Iterator[PrefillStep]):
-        """`play` in pieces, yielding after every VOICE_FRAMES_A_PIECE frames a WAV voice has
+    def play_chunks(self, slot: int, program: Iterator[PrefillStep]):
+        """`play` in chunks, yielding after every VOICE_FRAMES_A_CHUNK frames a WAV voice has
         Mimi code and between transformer passes (prefill.py)."""
         self.settle()
         tokens, embeddings, restores, coded = [], {}, {}, 0
         for step in program:
             agent = step.agent
             if step.pcm is not None:  # a WAV voice's frame: Mimi codes it in the slot's own stream
-                if coded and coded % VOICE_FRAMES_A_PIECE == 0:
+                if coded and coded % VOICE_FRAMES_A_CHUNK == 0:
                     yield
                     self.settle()  # the encodes of the ticks meanwhile, before Mimi steps again
                 agent = self.mimi.encode({slot: step.pcm})[slot].tolist()
@@ -285,7 +285,7 @@ class Talker:
             if step.restore_cache is not None:
                 restores[len(tokens)] = step.restore_cache
             tokens.append((step.text, *agent, *step.user))
-        return (yield from prefill_pieces(
+        return (yield from prefill_chunks(
             self.generator, slot, torch.tensor(tokens, dtype=torch.long).view(-1, self.generator.grid.num_codebooks),
             embeddings, restores))
 
@@ -387,7 +387,7 @@ def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:
 def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
                            decoder_in_process: bool = False) -> tuple[int, str]:
     """How many conversations fit in the GPU's free memory (`conversation_bytes` each), and why;
-    loaders.GPU_RESERVED_BYTES stay free for this process's other needs and one KV cache for the
+    tunables.GPU_RESERVED_BYTES stay free for this process's other needs and one KV cache for the
     buffers of a prefill's graphed passes (prefill_graphs.py). Code2wav's largest tick (the two
     stages' memory, planned together): in a process of its own, GPU_DECODER_RESERVED_BYTES stay
     free for it; built first in this one (`decoder_in_process`, one tick), it already holds that
@@ -395,16 +395,16 @@ def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
     free, _ = torch.cuda.mem_get_info(lm.device)
     each = conversation_bytes(lm, encoder, kv_dtype)
     prefill = kv_cache.bytes_per_conversation(lm.transformer, kv_dtype)
-    decoder = 0 if decoder_in_process else loaders.GPU_DECODER_RESERVED_BYTES
-    fit = max(1, (free - loaders.GPU_RESERVED_BYTES - decoder - prefill) // each)
+    decoder = 0 if decoder_in_process else tunables.GPU_DECODER_RESERVED_BYTES
+    fit = max(1, (free - tunables.GPU_RESERVED_BYTES - decoder - prefill) // each)
     decoder_why = ("code2wav's largest tick held in this process" if decoder_in_process else
                    f"{decoder / 2**30:.0f} for code2wav's largest tick")
-    return int(min(fit, loaders.GPU_DECODER_SLOTS)), (
+    return int(min(fit, tunables.GPU_DECODER_SLOTS)), (
         f"auto: {free / 2**30:.1f} GiB free on the GPU, {each / 2**30:.2f} GiB per conversation "
         f"({lm.context}-frame {str(kv_dtype).removeprefix('torch.')} KV cache + Mimi state), "
-        f"{loaders.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, {decoder_why} "
+        f"{tunables.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, {decoder_why} "
         f"and {prefill / 2**30:.2f} for a prefill's graphed passes, "
-        f"at most {loaders.GPU_DECODER_SLOTS} (code2wav's slots)")
+        f"at most {tunables.GPU_DECODER_SLOTS} (code2wav's slots)")
 
 
 def make_voice_bundle(talker: Talker, voice: VoicePrompt) -> dict:

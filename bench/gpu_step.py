@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 def age(generator, frames: int) -> None:
@@ -126,6 +127,26 @@ def timed(fn, steps: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     return round(statistics.median(times), 2)
+
+
+class CallCounter(TorchFunctionMode):
+    """Counts the PyTorch functions and tensor methods called from Python (each lets go of the GIL)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def calls_a_tick(tick) -> int:
+    """The PyTorch calls `tick()` makes from Python: each lets a Triton stub's other threads take the GIL."""
+    counter = CallCounter()
+    with counter:
+        tick()
+    return counter.calls
 
 
 def main():

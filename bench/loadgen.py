@@ -37,6 +37,7 @@ the client's processes cost (`add_client`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import queue
@@ -56,7 +57,8 @@ from personaplex_stream.stream import _send_frames
 from personaplex_triton.core import trace
 from personaplex_triton.core.metrics import scrape, series_labels
 
-from . import gpu_telemetry, stats, steal, ticks, workload
+from . import gpu_telemetry, host_cpu, stats, steal, ticks, workload
+from .host_noise import Noise
 from .workload import new_persona, persona_for
 
 Log = Callable[[str], None]
@@ -323,9 +325,45 @@ def add_client(row: dict, cpu_s: list[float], outcomes: list[Outcome], go: float
     wall = (max((o.result.started_at + o.result.wall_s for o in served), default=go)
             - min((o.result.started_at for o in served), default=go))
     frames = sum(len(o.result.latencies_ms) for o in served)
-    row["client"] = {"processes": len(cpu_s), "cpu_s": [round(c, 2) for c in cpu_s],
+    row["client"] = {"processes": len(cpu_s), "cpu_s": [round(c, 2) for c in cpu_s], "frames_answered": frames,
                      "cpu_ms_per_frame": round(1000 * sum(cpu_s) / frames, 3) if frames else None,
                      "busiest_core_share": round(max(cpu_s) / wall, 3) if wall > 0 else None}
+
+
+LOAD_GENERATOR = "load generator"
+
+
+def add_host_share(row: dict, server_s: dict[str, float], cpu_s: list[float], whole: dict | None) -> None:
+    """What each frame answered (aged ones too) cost the host over the level: the CPU ms of each
+    server role (host_cpu.role; empty where the server is not on this host), their sum, and the
+    load generator's; and the host's steal % over the level (/proc/stat; None where not reported)."""
+    frames = row["client"]["frames_answered"]
+    spent = {**server_s, LOAD_GENERATOR: sum(cpu_s)}
+    per_frame = {name: round(1000 * s / frames, 3) if frames else None for name, s in spent.items()}
+    row["host_share"] = {"frames": frames, "cpu_s": {name: round(s, 2) for name, s in spent.items()},
+                         "cpu_ms_per_frame": per_frame,
+                         "server_ms_per_frame": round(1000 * sum(server_s.values()) / frames, 3)
+                         if frames and server_s else None,
+                         "steal_pct": whole["steal_pct"] if whole else None}
+
+
+def add_noise(row: dict, freezers: dict, outcomes: list[Outcome], go: float) -> None:
+    """The freezes that ran over the level (host_noise): how many and their total ms; for a
+    single freeze, when it came, how long it lasted and the recovery (stats.recovery_s) after it."""
+    if not freezers:
+        return
+    row["noise"] = {}
+    if "every" in freezers:
+        done = freezers["every"].freezes
+        row["noise"]["freezes"] = len(done)
+        row["noise"]["frozen_ms"] = round(1000 * sum(end - start for start, end in done), 1)
+    if "once" in freezers and freezers["once"].freezes:
+        start, end = freezers["once"].freezes[0]
+        served = [o for o in outcomes if o.error is None]
+        send = [t for o in served for t in o.measured_send_s(go)]
+        latencies = [ms for o in served for ms in o.measured_latencies_ms]
+        row["noise"]["freeze_once"] = {"at_s": round(start - go, 3), "ms": round(1000 * (end - start), 1),
+                                       "recovery_s": stats.recovery_s(send, latencies, end - go)}
 
 
 def load_row(n: int, outcomes: list[Outcome], go: float, pool: int | None = None) -> dict:
@@ -493,7 +531,8 @@ def add_collections(row: dict, before: dict, after: dict) -> None:
 
 def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool = False,
           persona_every_s: float | None = None, aged: int = 0, pool: int | None = None,
-          trace_dir=None, gpu_memory=None, metrics_url: str | None = None, client_processes: int | None = None) -> list[dict]:
+          trace_dir=None, gpu_memory=None, metrics_url: str | None = None, client_processes: int | None = None,
+          server_pid: int | None = None, noise: Noise | None = None) -> list[dict]:
     """Each level in turn, `frames` paced frames a conversation (plan() says who talks when).
     `trace_dir`: the server's frame traces (PERSONAPLEX_TRACE_DIR, on this machine): each level's
     frames are followed through the stages and each stage's ticks counted, over the level and per
@@ -503,7 +542,10 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
     (add_host_cpu).
     `metrics_url`: the server's metrics endpoint, for the stubs' garbage collections over each
     level (add_collections). `client_processes`: the processes each level's conversations are
-    dealt to (None: client_processes_for's default); each one's CPU time is in the row (add_client)."""
+    dealt to (None: client_processes_for's default); each one's CPU time is in the row (add_client).
+    `server_pid`: the tritonserver on this host: each of its processes' CPU time over the level,
+    by role, beside the load generator's and the host's steal (add_host_share); `noise`: what
+    freezes that server's processes or burns cores during each level (host_noise, add_noise)."""
     rows = []
     for n in levels:
         talks = plan(n, frames, aged, new_personas, persona_every_s, tag=f"{n}-{time.time_ns()}")
@@ -511,10 +553,16 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
             + (f", after {aged} frames unpaced" if aged else "")
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
         before = _gc_counters_or_none(metrics_url, log)
-        with gpu_telemetry.GpuTelemetry() as gpu, steal.CpuSampler() as host:
+        server_before = host_cpu.snapshot(server_pid) if server_pid else {}
+        noisy = noise.during(host_cpu.process_tree(server_pid) if server_pid else [], frames * stats.FRAME_MS / 1000) \
+            if noise else contextlib.nullcontext({})
+        with gpu_telemetry.GpuTelemetry() as gpu, steal.CpuSampler() as host, noisy as freezers:
             outcomes, go, cpu_s = conversations(url, talks, log, client_processes_for(n, aged, client_processes))
         row = load_row(n, outcomes, go, pool)
         add_client(row, cpu_s, outcomes, go)
+        add_host_share(row, host_cpu.cpu_by_role(server_before, host_cpu.snapshot(server_pid)) if server_pid else {},
+                       cpu_s, host.whole)
+        add_noise(row, freezers, outcomes, go)
         if before is not None and (after := _gc_counters_or_none(metrics_url, log)) is not None:
             add_collections(row, before, after)
         add_gpu_telemetry(row, gpu.samples, go)

@@ -17,19 +17,20 @@ import numpy as np
 
 from personaplex_stream import Persona, stream_conversation
 from personaplex_triton.core import contract
-from personaplex_triton.serving.serving import pick_device
-from personaplex_triton.serving.speech import SpeechService
+from personaplex_triton.serving.one_stub import OneStubService
+from personaplex_triton.serving.parameters import SpeechConfig
 
 from . import stats
 from .workload import persona_arrays
 
 
 class InProcessPipeline:
-    """Both stages in this process (`SpeechService`, as the one-stub repository's `speech` model
-    runs them by default: one tick steps both); frames in, audio out."""
+    """Both stages in this process (`OneStubService`, as the one-stub repository's `speech` model
+    runs them: one tick steps both); frames in, audio out."""
 
     def __init__(self, talker_slots: int, code2wav_slots: int, checkpoint: str):
-        self.service = SpeechService(checkpoint, talker_slots, pick_device(), code2wav_slots)
+        self.service = OneStubService(SpeechConfig(checkpoint=checkpoint, max_conversations=talker_slots,
+                                                   code2wav_conversations=code2wav_slots, stage_process=False))
         self._answers: queue.Queue = queue.Queue()
         self._next_id = 1
 

@@ -21,7 +21,7 @@ from personaplex_triton.core.paths import REPO_ROOT
 from personaplex_triton.mimi.artefacts import file_sha256
 
 from . import stats
-from .loadgen import LONG_PAUSE_S, NEW_PERSONA_AFTER_S
+from .loadgen import LOAD_GENERATOR, LONG_PAUSE_S, NEW_PERSONA_AFTER_S
 
 
 def machine() -> dict:
@@ -48,21 +48,21 @@ def machine() -> dict:
 
 def server_info(url: str, metrics_url: str | None = None) -> dict:
     """What the server says of itself: Triton version, whether it runs both stages in one stub
-    (`one_stub`: the `speech` model of model_repository_one_stub) and in one tick (`one_tick`),
-    and per stage its config parameters (pool size, checkpoint, device, `mimi_runtime`; the
-    talker's KV dtype), from the stage's model or from `speech`. With its metrics at hand
-    (`metrics_url`, core/metrics.stage_setups), what each stage took at load: its pool, its send
-    threads, the Mimi runtime it runs ("auto: onnxruntime") and the talker's KV dtype."""
+    (`one_stub`: the `speech` model of model_repository_one_stub, whose one engine's tick steps both:
+    `one_tick`), and per stage its config parameters (pool size, checkpoint, device,
+    `mimi_runtime`; the talker's KV dtype), from the stage's model or from `speech`. With its
+    metrics at hand (`metrics_url`, core/metrics.stage_setups), what each stage took at load: its
+    pool, its send threads, the Mimi runtime it runs ("auto: onnxruntime") and the talker's KV dtype."""
     client = grpcclient.InferenceServerClient(url=url)
     setups = stage_setups(metrics_url, expect=("talker", "code2wav")) if metrics_url is not None else {}
     try:
         one_stub = params_of(client, "speech") if client.is_model_ready("speech") else None
         info = {"triton_version": client.get_server_metadata().version, "one_stub": one_stub is not None,
-                "one_tick": one_stub is not None and one_stub.get("one_tick") == "true"}
+                "one_tick": one_stub is not None}
         for model in ("talker", "code2wav"):
             params = params_of(client, model) if one_stub is None else one_stub
             runtime = params.get("mimi_runtime", "")
-            configured = params.get("decoder_conversations" if one_stub and model == "code2wav" else "max_conversations", "")
+            configured = params.get("code2wav_conversations" if one_stub and model == "code2wav" else "max_conversations", "")
             setup = setups.get(model)
             # auto: what the stage took, where its metrics are at hand; else unknown (None)
             info[model] = {"max_conversations": setup.slots if setup else int(configured) if configured.isdigit() else None,
@@ -207,7 +207,7 @@ def markdown(result: dict) -> str:
     stages = ("both stages in one Python stub (`speech`, model_repository_one_stub)" if h.get("one_stub")
               else "the stages as two models (model_repository)")
     if h.get("one_tick"):
-        stages += ", stepped in one tick (`one_tick`)"
+        stages += ", stepped in one tick"
     lines = [f"# PersonaPlex on Triton: benchmark of {h['date']}", "",
              f"- Command: `{h['command']}`",
              f"- Bench machine: {m['cpu']}, {m['cores']} cores, {gpus}",
@@ -221,7 +221,7 @@ def markdown(result: dict) -> str:
              f"- Commit {h['commit']}, started {h['started']}, bench wall time {h['wall_s']} s",
              # Other work on the machine skews every figure; the load average shows whether there was any.
              f"- Load average (1 min) at start {h['load_average_start']}, at end {h['load_average_end']} "
-             f"({m['cores']} cores)", "",
+             f"({m['cores']} cores)", *_cores_and_noise_lines(h), "",
              f"Workload: `samples/user.wav` in 80 ms frames (1920 samples), voice {h['persona']['voice']}, "
              f"role prompt \"{h['persona']['text_prompt']}\", shared by every conversation (a seed each), so "
              "conversations start from the server's persona cache.", ""]
@@ -258,6 +258,80 @@ def markdown(result: dict) -> str:
     for plot in result.get("plots", []):
         lines.append(f"![{plot}]({plot})")
     return "\n".join(lines) + "\n"
+
+
+def _cores_and_noise_lines(h: dict) -> list[str]:
+    """The header's cores (bench.run's pinning) and host noise, where the result has them."""
+    lines = []
+    if cores := h.get("cores"):
+        pinned = "pinned to disjoint cores" if cores["pinned"] else "not pinned"
+        server = f"server on cores {_core_list(cores['server'])}" if cores["server"] else "server's cores not seen"
+        lines.append(f"- Cores: {pinned}; {server}, load generator on {_core_list(cores['load_generator'])}")
+    if noise := h.get("noise"):
+        parts = []
+        if noise["freeze_ms_every_ms"]:
+            freeze_ms, period_ms = noise["freeze_ms_every_ms"]
+            parts.append(f"the server's processes frozen (SIGSTOP) {freeze_ms:g} ms every {period_ms:g} ms")
+        if noise["burn_cores"]:
+            parts.append(f"{noise['burn_cores']} core{'s' if noise['burn_cores'] > 1 else ''} kept busy by spinning "
+                         "processes"
+                         + (f" (on cores {_core_list(noise['burn_cpus'])})" if noise["burn_cpus"] else ""))
+        if noise["freeze_once_ms"]:
+            parts.append(f"one freeze of {noise['freeze_once_ms']:g} ms mid-level")
+        lines.append("- Host noise during each level: " + "; ".join(parts))
+    return lines
+
+
+def _core_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _host_share_table(rows: list[dict]) -> list[str]:
+    """What each frame cost the host's CPU, by process role, and the host's steal (loadgen.add_host_share)."""
+    measured = [r for r in rows if r.get("host_share")]
+    if not measured:
+        return []
+    roles = sorted({name for r in measured for name in r["host_share"]["cpu_ms_per_frame"]} - {LOAD_GENERATOR})
+    lines = ["### The host's share", "",
+             "CPU ms a frame answered (aged frames too) of each process of the server by role (from "
+             "/proc/PID/stat, every thread; a server not on this host: none), their sum, the load generator's, and "
+             "the host's steal over the level (/proc/stat).", "",
+             "| conversations | frames | " + "".join(f"{name} | " for name in roles)
+             + "server | load generator | steal % |",
+             "| ---: | ---: |" + " ---: |" * (len(roles) + 3)]
+    for r in measured:
+        share = r["host_share"]
+        lines.append(f"| {r['conversations']} | {share['frames']} | "
+                     + "".join(f"{cell(share['cpu_ms_per_frame'].get(name))} | " for name in roles)
+                     + f"{cell(share['server_ms_per_frame'])} | {cell(share['cpu_ms_per_frame'][LOAD_GENERATOR])} | "
+                     f"{cell(share['steal_pct'])} |")
+    return lines + [""]
+
+
+def _noise_table(rows: list[dict]) -> list[str]:
+    """The freezes each level ran (loadgen.add_noise) and the recovery after a single one."""
+    noisy = [r for r in rows if r.get("noise")]
+    if not noisy:
+        return []
+    lines = ["### Host noise", "",
+             "Freezes of the server's processes over each level; after a single freeze, the recovery: the time "
+             "from its end until every frame sent after is answered within 80 ms (not recovered: the level's "
+             "last frame was late).", "",
+             "| conversations | freezes | frozen (ms) | single freeze at (s) | its length (ms) | recovery (s) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in noisy:
+        noise, once = r["noise"], r["noise"].get("freeze_once")
+        recovery = "-" if not once else ("not recovered" if once["recovery_s"] is None else once["recovery_s"])
+        lines.append(f"| {r['conversations']} | {cell(noise.get('freezes'))} | {cell(noise.get('frozen_ms'))} | "
+                     f"{cell(once and once['at_s'])} | {cell(once and once['ms'])} | {recovery} |")
+    return lines + [""]
 
 
 def _load_section(result: dict) -> list[str]:
@@ -303,6 +377,8 @@ def _load_section(result: dict) -> list[str]:
               + ("" if not aged else " (aged context)"), ""]
     lines += _steal_lines(rows)
     lines += _client_table(rows)
+    lines += _host_share_table(rows)
+    lines += _noise_table(rows)
     lines += _starts_table(rows)
     lines += _windows_table(rows)
     lines += _windows_trace_table(rows)

@@ -82,7 +82,7 @@ def held(summary: dict, conversations: int, pool: int | None, errors: Sequence[s
     if len(errors) > len(refused):
         not_held.append(f"{len(errors) - len(refused)} conversations failed, not refused at capacity")
     if refused and not past_pool:  # e.g. an admission by time that refuses before the pool is full
-        within = f"within the pool of {pool}" if pool is not None else "with the pool size unknown (give --server-log)"
+        within = f"within the pool of {pool}" if pool is not None else "with the pool size unknown (give --metrics-url)"
         not_held.append(f"{len(refused)} starts refused at capacity {within}: failed starts under capacity")
     notes = [f"{len(refused)} starts refused at capacity (pool {pool})"] if refused and past_pool else []
     if not_held:
@@ -166,3 +166,19 @@ def each_start(conversations: Sequence[tuple[float, bool, Sequence[float], Seque
 def window_index(send_s: Sequence[float], window_s: float = 10.0) -> np.ndarray:
     """The window of `windows` that each send time falls in (one sent before the level's start: the first)."""
     return np.floor(np.maximum(np.asarray(send_s, dtype=np.float64), 0.0) / window_s).astype(int)
+
+
+def recovery_s(send_s: Sequence[float], latencies_ms: Sequence[float], freeze_end_s: float,
+               budget_ms: float = FRAME_MS) -> float | None:
+    """How long after a freeze's end (`freeze_end_s`, on `send_s`'s clock) frames were answered in
+    time again: the least R from which every frame sent more than R after the end took at most
+    `budget_ms`: the send time of the last late frame sent after the end, less the end (0: none
+    was late). None: the last frame sent was late, so the level never recovered."""
+    send = np.asarray(send_s, dtype=np.float64)
+    late = (send > freeze_end_s) & (np.asarray(latencies_ms, dtype=np.float64) > budget_ms)
+    if not late.any():
+        return 0.0
+    last = float(send[late].max())
+    if last >= float(send.max()):
+        return None
+    return round(last - freeze_end_s, 3)

@@ -6,7 +6,7 @@
 set -euo pipefail
 repository=/srv/model_repository
 if [[ ${PERSONAPLEX_ONE_STUB:-1} == 1 ]]; then
-    layout=(--one-stub) talker_pool=speech.max_conversations decoder_pool=speech.decoder_conversations
+    layout=(--one-stub) talker_pool=speech.max_conversations decoder_pool=speech.code2wav_conversations
 else
     layout=() talker_pool=talker.max_conversations decoder_pool=code2wav.max_conversations
 fi

@@ -27,7 +27,7 @@
 #                                    # (talker or code2wav) for SECONDS, every thread and the GIL's holder at once,
 #                                    # raw collapsed stacks as DIR/STAGE-pyspy.tar.xz
 #   scripts/gpu_host.sh traces DIR   # there: the server's frame traces and its log as DIR/trace.tar.xz
-#                                    # (to read them here: python -m bench.slow_ticks, bench/ticks.py, core/trace.py)
+#                                    # (to read them here: bench/ticks.py, core/trace.py)
 #   scripts/gpu_host.sh run CMD...   # there: CMD in the server's Python environment
 #   scripts/gpu_host.sh stop         # there: stop the server
 #
@@ -190,8 +190,11 @@ gpu_tests() {
     environment
     need_scipy  # the server tests make checkpoints of their own
     # Apart: memory the library tests leave in the pytest process would shrink the served pool.
-    python -m pytest -q -rs tests/test_gpu_server.py
-    python -m pytest -q -rs tests/test_gpu.py
+    # Both files run whatever the first gives; the exit status is the worse of the two.
+    local served=0 library=0
+    python -m pytest -q -rs tests/test_gpu_server.py || served=$?
+    python -m pytest -q -rs tests/test_gpu.py || library=$?
+    return $(( served > library ? served : library ))
 }
 
 bench() {

@@ -280,16 +280,17 @@ def test_bench_runs_its_server_with_the_parameters_set_on_a_copy_of_the_reposito
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
 
     assert run._with_parameters(ONE_STUB_REPOSITORY, {}, tmp_path) == ONE_STUB_REPOSITORY
-    settings = dict(run.parse_args(["--one-stub", "--set", "speech.one_tick=false"]).set)
+    settings = dict(run.parse_args(["--one-stub", "--set", "speech.prefill_chunk_spacing=1"]).set)
     copy = run._with_parameters(ONE_STUB_REPOSITORY, settings, tmp_path)
     assert copy.parent == tmp_path and (copy / "speech" / "1" / "model.py").is_file()
     config = (copy / "speech" / "config.pbtxt").read_text()
-    assert '{ key: "one_tick" value: { string_value: "false" } }' in config
+    assert '{ key: "prefill_chunk_spacing" value: { string_value: "1" } }' in config
     # the repository itself keeps its default
-    assert '{ key: "one_tick" value: { string_value: "true" } }' in (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
+    assert '{ key: "prefill_chunk_spacing" value: { string_value: "2" } }' in \
+        (ONE_STUB_REPOSITORY / "speech" / "config.pbtxt").read_text()
     with pytest.raises(SystemExit):
-        run.parse_args(["--set", "speech.one_tick"])
-    assert "--set takes MODEL.KEY=VALUE, got 'speech.one_tick'" in capsys.readouterr().err
+        run.parse_args(["--set", "speech.prefill_chunk_spacing"])
+    assert "--set takes MODEL.KEY=VALUE, got 'speech.prefill_chunk_spacing'" in capsys.readouterr().err
 
 
 @pytest.mark.integration
@@ -346,6 +347,56 @@ def test_bench_run_with_an_aged_context_and_new_personas_against_the_server(serv
     assert all(len(p["pieces_ms"]) == p["pieces"] and p["begin_ms"] >= 0 for p in prefills)  # as the loop saw them
     assert "Each new persona's start" in text and "Each prefill on its own" in text
     assert (tmp_path / f"{stem}-load.png").exists()
+    # the server is on this host: its processes' CPU a frame by role, found by its gRPC port
+    share = row["host_share"]
+    assert set(share["cpu_ms_per_frame"]) == {"tritonserver", "stub talker", "stub code2wav", loadgen.LOAD_GENERATOR}
+    assert all(ms > 0 for ms in share["cpu_ms_per_frame"].values())
+    assert share["frames"] == row["client"]["frames_answered"]
+    assert share["server_ms_per_frame"] == pytest.approx(sum(
+        ms for name, ms in share["cpu_ms_per_frame"].items() if name != loadgen.LOAD_GENERATOR), abs=0.01)
+    assert share["steal_pct"] is not None and "### The host's share" in text
+    assert h["cores"]["pinned"] is False and h["cores"]["server"] and h["cores"]["load_generator"]
+
+
+@pytest.mark.integration
+def test_bench_run_pins_its_own_server_counts_every_role_and_reports_the_recovery_after_a_freeze(
+        tiny_checkpoint, tmp_path):
+    """`python -m bench.run` starting its server with each stage in a process of its own, pinned to
+    core 0 and the load generator to the rest, one freeze of 200 ms and a freeze of 20 ms every
+    second: every process role costs CPU, the header says the cores and the noise, the level
+    its freezes and the recovery after the single one."""
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"pinning needs 2 cores, this process has {cores}")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--stages", "load", "--conversations", "1", "--seconds", "3",
+         "--set", "talker.stage_process=true", "--set", "code2wav.stage_process=true", "--pin-server", str(cores[0]),
+         "--freeze-once", "200", "--host-noise", "20/1000", "--out", str(tmp_path), "--name", "t"],
+        env={**os.environ, "PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [saved] = tmp_path.glob(f"*-t{report.LOAD_RESULT_SUFFIX}")
+    result = report.read_result(saved)
+    h, [row] = result["header"], result["load"]
+    assert h["cores"] == {"pinned": True, "server": cores[:1], "load_generator": cores[1:]}
+    assert h["noise"] == {"freeze_ms_every_ms": [20.0, 1000.0], "burn_cores": 0, "burn_cpus": None,
+                          "freeze_once_ms": 200.0}
+    share = row["host_share"]["cpu_ms_per_frame"]
+    assert set(share) == {"tritonserver", "stub talker", "stub code2wav", "stage talker", "stage code2wav",
+                          loadgen.LOAD_GENERATOR}
+    assert all(ms > 0 for ms in share.values()), share
+    noise = row["noise"]
+    assert noise["freezes"] >= 2 and noise["frozen_ms"] >= 20 * noise["freezes"]
+    once = noise["freeze_once"]
+    assert 190 <= once["ms"] < 400 and 0 < once["at_s"] < row["per_conversation"][0]["seconds"]
+    assert once["recovery_s"] is None or once["recovery_s"] >= 0
+    text = saved.with_name(saved.name.removesuffix(report.LOAD_RESULT_SUFFIX) + ".md").read_text()
+    assert f"- Cores: pinned to disjoint cores; server on cores {cores[0]}" in text
+    assert "one freeze of 200 ms mid-level" in text and "### Host noise" in text and "| stage talker |" in text
 
 
 @pytest.mark.integration
@@ -437,35 +488,6 @@ def test_gpu_step_kv_dtype_option_and_table(tmp_path):
     assert "| 3000 | 128 | - | 50.0 | - | - / 100.0 |" in table
     assert "| float8_e4m3fn | 0.75 | 0.75 | 120.0 | 160 | 155 |" in table
     assert "fp8 KV cache against a bf16 one" in table
-
-
-def test_persona_start_compares_two_trees_and_a_prefill_costs_more_than_the_cache(tiny_checkpoint, tmp_path):
-    """bench.persona_start with a --base tree (this one again, loaded under another name): both
-    trees start both kinds of persona, and a new persona's prefill takes longer than a start
-    from the persona cache (tens of ms against a few)."""
-    import json
-
-    import torch
-
-    from bench import persona_start
-
-    threads = torch.get_num_threads()  # the bench sets 1, as a stage does
-    try:
-        persona_start.main(["--checkpoint", str(tiny_checkpoint), "--base", str(report.REPO_ROOT), "--rounds", "2",
-                            "--together", "3", "--out", str(tmp_path), "--name", "starts"])
-    finally:
-        torch.set_num_threads(threads)
-    result = json.loads(next(tmp_path.glob("*-starts.json")).read_text())
-    assert list(result["trees"]) == [f"base ({report.REPO_ROOT})", "this tree"]
-    for tree in result["trees"].values():
-        assert all(len(ms) == 2 for ms in tree["ms"].values())  # every kind: both trees have prefill_many
-        assert tree["median_ms"]["new persona"] > 2 * tree["median_ms"]["cached persona"]
-        calls = tree["calls"]  # one tree, loaded twice: the same calls; a start of 3 makes more than one of 1
-        assert calls == next(iter(result["trees"].values()))["calls"]
-        assert 0 < calls["cached persona"] < calls["cached, together"]
-    assert result["together"] == 3 and "| 3 cached, one by one | 3 cached, together |" in (
-        next(tmp_path.glob("*-starts.md")).read_text())
-    assert (tmp_path / next(tmp_path.glob("*-starts.md")).name.replace(".md", ".png")).exists()
 
 
 def test_steal_is_the_share_of_cpu_time_the_hypervisor_took():
@@ -644,164 +666,6 @@ def test_ticks_during_a_start_show_its_pieces_as_gaps_and_long_ticks():
     assert ticks.during(records, 0.4, 0.5) == {"ticks_ms": [15.0], "gaps_ms": []}  # none after it
 
 
-def test_crossings_sums_the_segments_outside_the_ticks_and_takes_medians_over_runs(tmp_path):
-    from bench import crossings
-    from personaplex_triton.core.trace import SEGMENTS
-
-    def run(round_, repository, outside_each, tick):
-        segments = {name: (tick if name in crossings.TICKS else outside_each) for name, _, _ in SEGMENTS}
-        return {"round": round_, "repository": repository, "frames": 375, "p50": 30.0 + round_, "p95": 40.0,
-                "p99": 50.0, "late": 0, "segments_ms": segments,
-                "outside_ticks_ms": round(sum(v for k, v in segments.items() if k not in crossings.TICKS), 2)}
-
-    def floor(round_, p50):
-        return {"round": round_, "repository": crossings.FLOOR, "frames": 375, "p50": p50, "p95": 2.0, "p99": 2.5,
-                "late": 0, "segments_ms": None, "outside_ticks_ms": p50}
-
-    runs = [run(1, "two stubs", 0.8, 14.0), run(1, "one stub", 0.5, 14.0), floor(1, 1.5),
-            run(2, "two stubs", 1.0, 15.0), run(2, "one stub", 0.4, 16.0), floor(2, 1.7),
-            run(3, "two stubs", 0.9, 14.0), run(3, "one stub", 0.6, 15.0), floor(3, 1.6)]
-    assert runs[0]["outside_ticks_ms"] == 5.6  # 7 segments outside the two ticks
-    two = crossings.summary([r for r in runs if r["repository"] == "two stubs"])
-    one = crossings.summary([r for r in runs if r["repository"] == "one stub"])
-    below = crossings.summary([r for r in runs if r["repository"] == crossings.FLOOR])
-    assert two["outside_ticks_ms"] == 6.3 and one["outside_ticks_ms"] == 3.5
-    assert two["segments_ms"]["talker tick"] == 14.0 and one["segments_ms"]["talker tick"] == 15.0
-    assert one["p50"] == 32.0 and one["runs"] == 3
-    assert below["p50"] == 1.6 and below["segments_ms"] is None
-    result = {"command": "python -m bench.crossings", "machine": report.machine(), "commit": "abc", "started":
-              "2026-12-05T09:00:00+00:00", "conversations": 1, "seconds": 30, "runs": runs,
-              "summary": {"two stubs": two, "one stub": one, crossings.FLOOR: below}}
-    text = crossings.markdown(result, "x.png")
-    assert "| **outside the two ticks** | **6.3** | **3.5** |" in text and text.count("| 375 |") == 9  # a row a run
-    assert "p50 / p99: **1.6** / 2.5 ms. Above it, outside the ticks: two stubs 4.7 ms, one stub 1.9 ms." in text
-    assert "| 2 | floor | 375 | 1.7 / 2.0 / 2.5 | 0 | - |" in text
-    crossings.plot(result, tmp_path / "x.png")
-    assert (tmp_path / "x.png").stat().st_size > 0
-
-
-def test_slow_ticks_set_beside_the_usual_ones_what_else_ran_meanwhile():
-    """Ten talker ticks of 20 ms, two frames each, but the seventh of 80 ms, after a tick whose
-    answers took 50 ms to leave; code2wav ticks 3 ms after each talker tick starts."""
-    from bench import slow_ticks
-
-    talker, code2wav, start = [], [], 100.0
-    for i in range(10):
-        ms, cpu_ms = (80, 20) if i == 6 else (20, 19)
-        end = start + ms / 1000
-        sends = (0.050, 0.050) if i == 5 else (0.001, 0.003)
-        for k, after in enumerate(sends):
-            talker.append({"conversation": k, "index": i, "queued": start + 0.001 * k, "tick_start": start,
-                           "tick_end": end, "tick_cpu": cpu_ms / 1000, "rows": 2, "sent": end + after})
-        code2wav.append({"conversation": 0, "index": i, "queued": start, "tick_start": start + 0.003,
-                         "tick_end": start + 0.006, "tick_cpu": 0.003, "rows": 1, "sent": start + 0.007})
-        start = end + 0.005
-    found = slow_ticks.slow_tick_figures(talker, code2wav, over_ms=60)
-    assert (found["ticks"], found["tick_ms_p50"]) == (10, 20.0)
-    slow, usual = found["slow"], found["usual"]
-    assert (slow["ticks"], slow["tick_ms"], slow["frames"], slow["previous_sends_ms"]) == (1, 80.0, 2.0, 50.0)
-    assert (usual["ticks"], usual["tick_ms"], usual["previous_sends_ms"]) == (8, 20.0, 3.0)  # the first has none before
-    assert slow["off_cpu_ms"] == 60.0 and usual["off_cpu_ms"] == 1.0
-    assert slow["code2wav_tick_ms"] == usual["code2wav_tick_ms"] == 3.0
-    # the slow tick: the previous tick's two answers leave during it; two frames arrive in 80 ms
-    assert slow["sends_per_ms"] == 0.03 and slow["arrivals_per_ms"] == 0.03
-    assert found["slow_apart_s_p50"] is None and found["slow_next_to_slow"] == 0
-    table = slow_ticks.report(found)
-    assert "| slow | 1 | 80 | 2 | 50 | 0.03 | 0.03 | 3 | 60 |" in table
-    with pytest.raises(ValueError, match="fewer than two ticks"):
-        slow_ticks.slow_tick_figures(talker[:1], [], over_ms=60)
-
-
-def test_prefill_pieces_times_each_piece_of_new_personas_starts(tiny_checkpoint, tmp_path):
-    """bench/prefill_pieces.py on the CPU: every start prefills (no persona cache), in one
-    piece a transformer pass (the first with the start's setup), and its table says so."""
-    from bench import prefill_pieces
-
-    assert prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--name", "t"]) == 0
-    result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
-    starts = result["starts"]
-    assert [s["turn"] for s in starts] == [1, 2] * len(prefill_pieces.PROMPT_WORDS)
-    tokens = [s["prompt_tokens"] for s in starts[::2]]
-    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
-    for s in starts:
-        assert sum(s["passes"]) == s["positions"] and len(s["pieces_ms"]) == len(s["passes"])
-        assert s["longest_ms"] == max(s["pieces_ms"]) > 0
-        # the counted start of its length: as many pieces, each of some calls, the first (the
-        # setup, the embeddings and a pass) the most
-        assert len(s["calls"]) == len(s["pieces_ms"]) and min(s["calls"]) > 0 and s["calls"][0] == max(s["calls"])
-    assert "| first |" in next(tmp_path.glob("*-t.md")).read_text()
-
-
-@pytest.mark.parametrize("stage_process", [False, True])
-def test_prefill_pieces_ticks_live_conversations_between_the_pieces(tiny_checkpoint, tmp_path, stage_process):
-    """With --live, conversations tick `--spacing` times before each piece of every start, and
-    the live slots never take the starting one's; with --stage-process the talker is a process
-    of its own, as served on a GPU, and what only it knows is not reported; there, with
-    --code2wav, a code2wav in a process of its own decodes each live tick's answers."""
-    from bench import prefill_pieces
-
-    assert prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--name", "t",
-                                "--live", "3", "--spacing", "2", "--max-conversations", "4"]
-                               + (["--stage-process", "--code2wav"] if stage_process else [])) == 0
-    result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
-    decoded = result["live"]["decodes"]
-    assert result["live"]["code2wav"] == stage_process and (decoded > 0) == stage_process
-    assert decoded <= result["live"]["ticks"]  # a tick inside the model's delays answers nothing to decode
-    pieces = sum(len(s["pieces_ms"]) for s in result["starts"])
-    counted = 0 if stage_process else sum(len(s["calls"]) for s in result["starts"] if s["turn"] == 1)
-    assert result["live"]["live"] == 3 and result["live"]["ticks"] == 2 * (pieces + counted)
-    assert all((s["calls"] is None) == stage_process for s in result["starts"])
-    assert result["live"]["tick_ms_p50"] > 0 and result["stage_process"] == stage_process
-    assert all(len(s["pieces_ms"]) >= 1 and s["longest_ms"] > 0 for s in result["starts"])
-    assert all((s["passes"] is None) == stage_process for s in result["starts"])
-    text = next(tmp_path.glob("*-t.md")).read_text()
-    assert "Beside 3 live conversations: 2 of their ticks before each piece" in text
-    assert ("a process of its own (`--stage-process`" in text) == stage_process
-    assert ("a code2wav decoding each tick's answers" in text) == stage_process
-
-
-def test_prefill_pieces_refuses_code2wav_without_live_conversations(tiny_checkpoint, tmp_path):
-    from bench import prefill_pieces
-
-    with pytest.raises(SystemExit, match="--code2wav decodes the live conversations' answers: give --live N too"):
-        prefill_pieces.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--code2wav"])
-
-
-def test_start_crossing_times_a_start_through_the_talkers_process_both_ways(tiny_checkpoint, tmp_path):
-    """bench/start_crossing.py on the CPU, with a bundle voice added to a copy of the checkpoint:
-    loaded by both processes it crosses as its file's name, a copy made in memory by value."""
-    from bench import start_crossing
-
-    assert start_crossing.main(["--checkpoint", str(tiny_checkpoint), "--rounds", "2", "--bundle-dim", "256",
-                                "--out", str(tmp_path), "--name", "t"]) == 0
-    result = json.loads(next(tmp_path.glob("*-t.json")).read_text())
-    assert result["voice"] == start_crossing.BUNDLE and result["voice_bytes"] > 198 * 256 * 4
-    by_file, by_value = result["kinds"]
-    assert by_file["bytes"] < 1000 and by_value["bytes"] > result["voice_bytes"]
-    assert 0 < by_file["ms_p50"] <= by_file["ms_max"] and 0 < by_value["ms_p50"] <= by_value["ms_max"]
-    assert "| as served: by its file |" in next(tmp_path.glob("*-t.md")).read_text()
-    assert not (tiny_checkpoint / "voices" / start_crossing.BUNDLE).exists()  # the copy's only
-
-
-def test_gc_pause_times_a_full_collection_as_loaded_and_frozen(tiny_checkpoint, tmp_path):
-    """bench/gc_pause.py on the CPU: the freeze takes what the talker's process loaded out of the
-    collector's walks (it tracks a few objects where it tracked hundreds of thousands), and the
-    process is left unfrozen after."""
-    import gc
-
-    from bench import gc_pause
-
-    assert gc_pause.main(["--checkpoint", str(tiny_checkpoint), "--seconds", "1", "--conversations", "2",
-                          "--out", str(tmp_path), "--name", "t"]) == 0
-    assert gc.get_freeze_count() == 0
-    phases = json.loads(next(tmp_path.glob("*-t.json")).read_text())["phases"]
-    loaded, frozen = phases["as loaded"], phases["frozen"]
-    assert loaded["frozen_objects"] == 0 and loaded["tracked_objects"] > 100_000
-    assert frozen["frozen_objects"] > 100_000 and frozen["tracked_objects"] < loaded["tracked_objects"] / 10
-    assert loaded["ticks"] > 0 and frozen["ticks"] > 0
-    assert "| frozen |" in next(tmp_path.glob("*-t.md")).read_text()
-
-
 def test_agreement_compares_one_conversation_from_the_same_state_alone_and_in_a_batch():
     """bench/gpu_step.py's greedy agreement, run on the CPU: moshi's bf16 step gives a
     conversation the same tokens alone and beside 3 others there (on a GPU the batch's shape
@@ -817,88 +681,113 @@ def test_agreement_compares_one_conversation_from_the_same_state_alone_and_in_a_
                       "first_differing_steps": []}
 
 
-def test_send_order_reads_a_runs_conversations_by_start_quarter_and_models_the_two_orders(tmp_path):
-    from bench import send_order
 
-    level = {"per_conversation": [{"start_s": 0.1 * i} for i in (3, 0, 2, 1, 5, 4, 7, 6, 8)],
-             "latencies_ms": [[40.0 + 10 * i] * 1000 for i in (3, 0, 2, 1, 5, 4, 7, 6)] + [[99.0] * 10]}
-    rows = send_order.by_start_quarter(level)  # the last conversation is too short to count
-    assert [r["conversations"] for r in rows] == [2, 2, 2, 2]
-    assert [r["p50"] for r in rows] == [45.0, 65.0, 85.0, 105.0]
-    assert [r["late_pct"] for r in rows] == [0.0, 0.0, 50.0, 100.0]  # 80 ms is on time
-
-    kwargs = dict(conversations=64, seconds=10, tick_fixed_ms=11.9, tick_per_frame_ms=0.38, send_ms=0.65,
-                  code2wav_tick_ms=3.5, code2wav_send_ms=0.45, other_ms=4.0)
-    join, oldest = (send_order.simulate(**kwargs, oldest_first=flag) for flag in (False, True))
-    assert join["last_joiner_p99"] > join["first_joiner_p99"] + 5  # the last joiner's answer always went last
-    assert abs(oldest["last_joiner_p99"] - oldest["first_joiner_p99"]) < 3
-    assert oldest["p99"] < join["p99"] and abs(oldest["p50"] - join["p50"]) < 2
-
-    assert send_order.main(["--conversations", "8", "--seconds", "2", "--out", str(tmp_path), "--name", "t"]) == 0
-    written = sorted(p.name for p in tmp_path.iterdir())
-    assert [name.split("-send-order-")[1] for name in written] == ["t.json", "t.md", "t.png"]
+def test_recovery_is_the_last_late_frame_after_the_freeze_and_none_when_the_level_ends_late():
+    """After a freeze ending at 2.0 s: frames late until 2.4 s, then in time: 0.4 s; a late frame
+    sent during the freeze does not count; nothing late after it: 0; the last frame late: None."""
+    send = [i * 0.08 for i in range(50)]  # 0 to 3.92 s
+    latencies = [300.0 if 1.8 <= t <= 2.4 else 40.0 for t in send]
+    assert stats.recovery_s(send, latencies, 2.0) == round(max(t for t in send if t <= 2.4) - 2.0, 3)
+    assert stats.recovery_s(send, [300.0 if t < 2.0 else 40.0 for t in send], 2.0) == 0.0
+    assert stats.recovery_s(send, [40.0] * 49 + [81.0], 2.0) is None
+    assert stats.recovery_s(send, [80.0] * 50, 2.0) == 0.0  # at most 80 ms is in time
 
 
-def test_the_start_cost_model_counts_the_late_frames_a_start_s_pieces_make():
-    """bench/start_cost_model.py: with no start nothing is late at 55 conversations; a start's
-    long pieces make the live frames late near it, shorter pieces fewer, and the start's span
-    covers its pieces."""
-    from bench.start_cost_model import simulate, summary
+def test_server_processes_are_named_by_role_from_their_command_lines():
+    from bench import host_cpu
 
-    common = dict(conversations=55, seconds=20, tick_fixed_ms=10.5, tick_per_frame_ms=0.38, after_ms=8.1,
-                  start_every_s=5, pieces=3)
-    quiet = summary(simulate(**{**common, "pieces": 0}, piece_ms=31))
-    long, short = (summary(simulate(**common, piece_ms=ms)) for ms in (31, 13))
-    assert quiet["late_near_a_start"] == quiet["late_elsewhere"] == 0 and quiet["start_ms"] is None
-    assert long["late_near_a_start"] > 10 > short["late_near_a_start"]
-    assert long["start_ms"] >= 3 * 31 and short["start_ms"] >= 3 * 13
-
-
-@pytest.mark.integration
-def test_triton_floor_answers_every_frame_with_its_own_samples_through_a_real_tritonserver(tmp_path):
-    """bench.crossings' floor: the served contract through a real tritonserver, each frame's
-    answer its own samples (so the answers are the frames', in order); a request of a part of a
-    frame gets an error naming the problem; `floor_run` times paced conversations through it."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    from bench import crossings
-    from personaplex_stream import stream_conversation
-    from personaplex_triton.core import contract
-    from personaplex_triton.serving.launch import TritonServer
-
-    audio = np.random.default_rng(1).uniform(-0.5, 0.5, 7 * contract.FRAME_SAMPLES).astype(np.float32)
-    with TritonServer(crossings.FLOOR_REPOSITORY, log_path=tmp_path / "server.log") as server:
-        result = stream_conversation(audio, server.grpc_url, crossings.FLOOR)
-        assert result.frames_received == 7 and np.array_equal(result.audio, audio)
-        answers: list = []
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        client.start_stream(callback=lambda result, error: answers.append(error))
-        part = grpcclient.InferInput(contract.AUDIO_IN, [100], "FP32")
-        part.set_data_from_numpy(np.zeros(100, np.float32))
-        client.async_stream_infer(crossings.FLOOR, [part], sequence_id=5, sequence_start=True, sequence_end=True)
-        client.stop_stream()
-        client.close()
-        [error] = answers
-        assert isinstance(error, InferenceServerException) and "whole 1920-sample frames, got 100" in str(error)
-    run = crossings.floor_run(2, 1.0)  # a server of its own
-    assert run["frames"] == 2 * 13 and run["segments_ms"] is None and run["outside_ticks_ms"] == run["p50"] > 0
+    assert host_cpu.role(["/opt/tritonserver/bin/tritonserver", "--model-repository=/r"]) == "tritonserver"
+    stub = ["/opt/tritonserver/backends/python/triton_python_backend_stub", "/tmp/x/model_repository/talker/1/model.py",
+            "triton_python_backend_shm_region_1", "1048576"]
+    assert host_cpu.role(stub) == "stub talker"
+    stage = ["/usr/bin/python3", "-c", "from personaplex_triton.engine.stage_process import main; main()",
+             "code2wav", "7"]
+    assert host_cpu.role(stage) == "stage code2wav"
+    assert host_cpu.role(["/usr/bin/python3", "-m", "personaplex_triton.serving.launch"]) == "launcher"
+    before = {1: ("tritonserver", 2.0), 2: ("stub talker", 1.0)}
+    after = {1: ("tritonserver", 2.5), 2: ("stub talker", 1.25), 3: ("stub talker", 0.5)}  # 3: born in between
+    assert host_cpu.cpu_by_role(before, after) == {"stub talker": 0.75, "tritonserver": 0.5}
 
 
-@pytest.mark.integration
-def test_send_rate_counts_every_answer_of_every_stream_by_lanes(tmp_path):
-    """bench.send_rate against its own model on a real tritonserver: each lane count's rounds
-    get every stream's answers, in order, at a rate the server's clock gives."""
-    from bench import send_rate
+def test_pinning_splits_the_cores_where_there_are_enough_and_is_a_choice_below():
+    from bench import host_cpu
 
-    assert send_rate.main(["--lanes", "1", "3", "--streams", "3", "--answers", "7", "--rounds", "2",
-                           "--out", str(tmp_path), "--name", "t"]) == 0
-    [saved] = tmp_path.glob("*-t.json")
-    result = report.read_result(saved)
-    assert [r["lanes"] for r in result["rows"]] == [1, 3]
-    for row in result["rows"]:
-        assert len(row["rounds"]) == 2 and row["in_order"]
-        assert all(r["answers"] == 21 and r["answers_per_s"] > 0 for r in row["rounds"])
-    assert result["rows"][0]["vs_first"] == 1.0
-    assert "| 3 |" in (tmp_path / saved.name.replace(".json", ".md")).read_text()
-    assert (tmp_path / saved.name.replace(".json", ".png")).exists()
+    assert host_cpu.parse_cpus("0-3,6") == [0, 1, 2, 3, 6]
+    assert host_cpu.pin_plan(list(range(16))) == (list(range(12)), [12, 13, 14, 15])
+    assert host_cpu.pin_plan([0, 1, 2, 3]) == ([0, 1, 2], [3])
+    assert host_cpu.pin_plan([0, 1]) is None and host_cpu.pin_plan(list(range(8)), pin=False) is None
+    assert host_cpu.pin_plan([0, 1], pin=True) == ([0], [1])
+    assert host_cpu.pin_plan([0, 1, 2, 3], server=[0, 1]) == ([0, 1], [2, 3])
+    for server in ([0, 1], [5]):  # all of them, or one not there
+        with pytest.raises(ValueError):
+            host_cpu.pin_plan([0, 1], server=server)
+    assert report._core_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def _state(pid: int) -> str:
+    from pathlib import Path
+
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_freezer_stops_a_counting_child_and_always_lets_it_go(tmp_path):
+    """A child that counts: frozen, its count stands still and it is stopped ('T'); after the
+    freeze it counts again. Leaving the block by an error mid-freeze continues it at once."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from bench.host_noise import Burners, Freezer, parse_noise
+
+    count = tmp_path / "count"
+    child = subprocess.Popen([sys.executable, "-c", "import os, pathlib, time\np = pathlib.Path(r'%s')\nn = 0\n"
+                              "while True:\n    n += 1\n    p.with_suffix('.new').write_text(str(n))\n"
+                              "    os.replace(p.with_suffix('.new'), p)\n    time.sleep(0.005)" % count])
+
+    def counted() -> int:
+        return int(count.read_text())
+
+    try:
+        while not count.exists():
+            time.sleep(0.01)
+        with Freezer.once([child.pid], 800, at_s=0.05) as freezer:
+            time.sleep(0.2)
+            assert _state(child.pid) == "T"
+            held = counted()
+            time.sleep(0.1)
+            assert counted() == held
+            while not freezer.freezes:
+                time.sleep(0.05)
+            time.sleep(0.1)
+            assert counted() > held and _state(child.pid) != "T"
+        [(start, end)] = freezer.freezes
+        assert 0.78 < end - start < 1.2
+        began = time.monotonic()
+        with Freezer([child.pid], 50, period_ms=100) as freezer:
+            time.sleep(0.55)
+        periods = (time.monotonic() - began) / 0.1
+        # one a period (fewer where this shared machine made one overrun), the last perhaps cut short by leaving
+        assert 2 <= len(freezer.freezes) <= periods and all(0.04 < end - start < 0.3
+                                                             for start, end in freezer.freezes[:-1])
+        began = time.monotonic()
+        with pytest.raises(RuntimeError):
+            with Freezer.once([child.pid], 5000, at_s=0.05):
+                time.sleep(0.15)  # a freeze of 5 s has begun
+                assert _state(child.pid) == "T"
+                raise RuntimeError("the level failed")
+        assert time.monotonic() - began < 1 and _state(child.pid) != "T"
+        held = counted()
+        time.sleep(0.1)
+        assert counted() > held
+    finally:
+        child.kill()
+        child.wait()
+    with Burners(1) as burners:
+        time.sleep(0.2)
+        assert burners.processes[0].poll() is None and _state(burners.processes[0].pid) == "R"
+    assert burners.processes[0].poll() is not None
+    assert parse_noise("20/1000") == (20.0, 1000.0)
+    for wrong in ("20", "1000/20", "a/b"):
+        with pytest.raises(ValueError):
+            parse_noise(wrong)

@@ -354,26 +354,6 @@ def test_a_step_that_cannot_be_repeated_ends_its_conversations_without_a_retry()
         engine.shutdown()
 
 
-def test_with_a_minimum_tick_interval_frames_that_come_apart_share_a_tick():
-    """Conversation 2's frame comes 100 ms after 1's, while 1's next tick may not start yet (the
-    interval is 0.3 s from its last): one tick takes both. Without the interval each goes alone."""
-    for interval, expected in ((0.3, [1, 2]), (0.0, [1, 1, 1])):
-        stage = CountingStage(2)
-        engine = SlotEngine(stage, min_tick_interval_s=interval)
-        try:
-            engine.open(1, None)
-            engine.open(2, None)
-            run(engine, 1, ["warm"])  # the first tick: the interval counts from its start
-            a, b = Collector(), Collector()
-            engine.submit(1, ["x"], a.on_output, a.on_done)
-            time.sleep(0.1)
-            engine.submit(2, ["y"], b.on_output, b.on_done)
-            a.wait(), b.wait()
-            assert stage.batch_sizes == expected
-        finally:
-            engine.shutdown()
-
-
 def test_the_schedulers_tick_model_takes_every_tick_the_stage_ran():
     from personaplex_triton.engine.scheduler import MODEL_MIN_TICKS
 
@@ -938,11 +918,11 @@ def test_the_frame_trace_keeps_the_ticks_cpu_time(tmp_path, monkeypatch):
 
 
 def test_a_prefills_later_chunks_wait_for_two_ticks_while_live_frames_wait_and_not_otherwise():
-    """`piece_spacing_ticks` 2 (the talker's): while a live conversation's frames wait, two of
+    """`chunk_spacing_ticks` 2 (the talker's): while a live conversation's frames wait, two of
     its ticks run between two chunks of a prefill (its first chunk at once, as before); with no
     live frames the chunks run one after another."""
     stage = ChunkedPrefillStage(2, chunks=5, chunk_s=0.005)
-    engine = SlotEngine(stage, piece_spacing_ticks=2)
+    engine = SlotEngine(stage, chunk_spacing_ticks=2)
     try:
         live = live_conversation(engine, 60)
         engine.open(2, None)
@@ -963,4 +943,4 @@ def test_a_prefills_later_chunks_wait_for_two_ticks_while_live_frames_wait_and_n
     finally:
         engine.shutdown()
     with pytest.raises(ValueError, match="between a prefill's chunks must be at least 1, got 0"):
-        SlotEngine(CountingStage(1), piece_spacing_ticks=0)
+        SlotEngine(CountingStage(1), chunk_spacing_ticks=0)

@@ -244,12 +244,12 @@ def test_the_talkers_encode_on_a_stream_of_its_own_gives_the_same_tokens(files):
 
 def test_a_graphed_tick_makes_few_pytorch_calls(files):
     """Each PyTorch call from Python lets a Triton stub's other threads take the GIL, and the
-    tick's thread then waits to get it back (bench/tick_contention.py): a graphed talker tick
+    tick's thread then waits to get it back (bench/experiments/tick_contention.py): a graphed talker tick
     hands its step one packed tensor and takes one back, Mimi's rows are stacked in numpy, so a
     tick's calls do not grow with its rows (bench/results/tick_contention-h100-*.md)."""
     import numpy as np
 
-    from bench.tick_contention import calls_a_tick
+    from bench.gpu_step import calls_a_tick
     from personaplex_triton.core import loaders
     from personaplex_triton.mimi.runtime import open_step
     from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame
@@ -452,3 +452,34 @@ def test_a_starts_graphed_reset_and_embeddings_are_the_eager_ones(lm):
             assert embedded.shape == (positions, 1, lm.dim) and torch.equal(embedded, gen.embed(tokens.cuda()))
     finally:
         gen.close()
+
+
+WAIT_FOR_THE_GPU = """
+import sys, time, torch
+from personaplex_triton.core import gpu_waits
+if sys.argv[1] == "asleep":
+    gpu_waits.sleep_while_gpu_works("cuda")
+torch.cuda._sleep(1000)  # the context, made
+torch.cuda.synchronize()
+cpu, wall = time.thread_time(), time.perf_counter()
+torch.cuda._sleep(int(1e9))  # a kernel that holds the GPU for about half a second
+torch.cuda.synchronize()
+print(gpu_waits.waits_asleep("cuda"), (time.thread_time() - cpu) / (time.perf_counter() - wall))
+"""
+
+
+def test_a_thread_that_waits_for_the_gpu_sleeps():
+    """With the flag (set before the process's context is made, as the stage builds do) a wait
+    costs the host next to nothing; without it, CUDA's default spins the waiting thread."""
+    import subprocess
+    import sys
+
+    def wait(how: str) -> tuple[bool, float]:
+        out = subprocess.run([sys.executable, "-c", WAIT_FOR_THE_GPU, how], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return out[0] == "True", float(out[1])
+
+    asleep, asleep_cpu = wait("asleep")
+    spinning, spinning_cpu = wait("default")
+    assert asleep and not spinning
+    assert asleep_cpu < 0.2 < spinning_cpu

@@ -163,7 +163,6 @@ def test_stages_in_processes_of_their_own_answer_every_frame_as_in_the_stubs(tin
 ONE_STUB_SETTINGS = {  # id: the speech model's parameters set
     "one tick, in the stub": [],  # as the repository is, on a CPU
     "one tick, in a process of its own": ["speech.stage_process=true"],  # as on a GPU
-    "two engines": ["speech.one_tick=false"],
 }
 
 
@@ -172,9 +171,8 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
     """model_repository_one_stub (both stages in one stub, `speech`, behind the same `ensemble`):
     two conversations at once get every frame, in order, the first exactly what the two-stub
     server gives it; its metrics give both stages' pools, send threads and Mimi runtimes (as the
-    bench reads them), its log the same for people.
-    By default one engine's tick steps both stages (`one_tick`), with `stage_process` in the
-    stub's one child process; with `one_tick` false, each stage ticks in an engine of its own."""
+    bench reads them), its log the same for people. One engine's tick steps both stages, with
+    `stage_process` in the stub's one child process."""
     from personaplex_triton.core.paths import ONE_STUB_REPOSITORY
     from personaplex_triton.serving import model_configs
     from personaplex_triton.serving.launch import TritonServer, child_processes
@@ -198,7 +196,7 @@ def test_one_stub_repository_answers_every_frame_as_two_stubs(tiny_checkpoint, s
     assert {model: (setup.mimi_part, setup.mimi_runtime) for model, setup in setups.items()} == {
         "talker": ("encoder", "onnxruntime"), "code2wav": ("decoder", "onnxruntime")}
     assert "talker: Mimi encoder on" in log and "code2wav: Mimi decoder on" in log
-    assert ("one tick steps the talker and decodes its frames" in log) == ("speech.one_tick=false" not in settings)
+    assert "one tick steps the talker and decodes its frames" in log
     if "speech.stage_process=true" in settings:
         assert len(workers) == 1 and "speech: the stage runs in process" in log
         assert {model: setup.send_threads for model, setup in setups.items()} == {

@@ -38,10 +38,12 @@ def test_kv_dtype_parameter():
 
 def test_talker_refuses_fp8_on_a_cpu(tiny_checkpoint):
     """The talker parameter reaches the service, which says why before it allocates a pool."""
+    from personaplex_triton.serving.parameters import TalkerConfig
     from personaplex_triton.serving.serving import TalkerService
 
     with pytest.raises(ValueError, match="float8_e4m3fn needs a CUDA GPU"):
-        TalkerService(str(tiny_checkpoint), 2, "cpu", kv_dtype="float8_e4m3fn")
+        TalkerService(TalkerConfig(checkpoint=str(tiny_checkpoint), max_conversations=2, device="cpu",
+                                   kv_dtype="float8_e4m3fn"))
 
 
 @pytest.fixture(scope="module")

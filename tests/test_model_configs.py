@@ -1,12 +1,15 @@
-"""The model configurations are made from the wire contract, and the committed ones are that output."""
+"""The model configurations are made from the wire contract and each model's config
+(serving/parameters.py), and the committed ones (and the docs' parameter table) are that output."""
 
 import dataclasses
 
 import pytest
 
-from personaplex_triton.core import contract
+from personaplex_triton.core import contract, tunables
 from personaplex_triton.core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
 from personaplex_triton.serving import model_configs
+from personaplex_triton.serving.parameters import (
+    CONFIGS, Code2WavConfig, ParameterError, SpeechConfig, TalkerConfig)
 
 
 def test_committed_configs_are_the_generated_ones():
@@ -60,6 +63,65 @@ def test_parameter_overrides():
     assert '{ key: "max_conversations" value: { string_value: "auto" } }' in configs["code2wav"]
     with pytest.raises(KeyError, match="talker.nonsense"):
         model_configs.configs(overrides={"talker.nonsense": "1"})
+    with pytest.raises(ParameterError, match="talker: parameter max_conversations must be a whole number"):
+        model_configs.configs(overrides={"talker.max_conversations": "many"})  # checked as the model reads it
+
+
+def test_the_docs_table_lists_every_parameter_of_every_model():
+    table = model_configs.parameter_table()
+    for model, config in CONFIGS.items():
+        for field in dataclasses.fields(config):
+            row = next(line for line in table.splitlines() if line.startswith(f"| `{field.name}` |")
+                       and model in line.split(" | ")[2].split(", "))
+            assert field.metadata["help"] in row
+    docs = model_configs.DOCS.read_text()
+    assert model_configs.docs_with_table(docs) == docs  # the committed page is current
+
+
+def test_a_models_parameters_are_read_once_into_its_typed_config():
+    """Triton's `initialize(args)` parameters become the config's typed values; those left out
+    keep their defaults, the same ones config.pbtxt is written with."""
+    import json
+
+    parameters = {"max_conversations": "3", "warm_personas": "NATF0, NATM0", "kv_dtype": "float8_e4m3fn",
+                  "prefill_chunk_spacing": "3", "idle_timeout_s": "2.5", "stage_process": "True", "device": "cpu"}
+    args = {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in parameters.items()}}),
+            "model_instance_kind": "CPU"}
+    config = TalkerConfig.from_triton(args)
+    assert (config.max_conversations, config.warm_personas, config.kv_dtype) == (3, ("NATF0", "NATM0"), "float8_e4m3fn")
+    assert (config.prefill_chunk_spacing, config.idle_timeout_s, config.device) == (3, 2.5, "cpu")
+    # resolved for the instance: stage_process true, so send_threads auto is several
+    assert config.stage_process is True and config.send_threads == tunables.STAGE_PROCESS_SEND_THREADS > 1
+    assert config.persona_cache_size == 16 and config.dtype == "auto"  # the defaults
+    assert TalkerConfig().warm_personas is None  # "all": every voice of the checkpoint
+    assert TalkerConfig.from_parameters({"warm_personas": ""}).warm_personas == ()
+    speech = SpeechConfig.from_parameters({"code2wav_conversations": "5", "mimi_runtime": "torch"})
+    assert speech.code2wav() == Code2WavConfig(max_conversations=5, mimi_runtime="torch")
+
+
+def test_auto_choices_follow_the_device():
+    on_cpu = Code2WavConfig(device="cpu").resolved()
+    assert (on_cpu.stage_process, on_cpu.send_threads) == (False, 1)
+    on_gpu = Code2WavConfig(device="cuda:1").resolved()  # resolving touches no GPU
+    assert (on_gpu.stage_process, on_gpu.send_threads) == (True, tunables.STAGE_PROCESS_SEND_THREADS)
+    assert Code2WavConfig(device="cuda", send_threads=2, stage_process=False).resolved().send_threads == 2
+    assert on_cpu.resolved() == on_cpu  # resolving twice changes nothing
+
+
+@pytest.mark.parametrize("model, key, value, message", [
+    ("talker", "stage_process", "yes", 'stage_process must be "true" or "false"'),
+    ("code2wav", "send_threads", "0", "send_threads must be a whole number of at least 1"),
+    ("talker", "send_threads", "1.5", "send_threads must be a whole number of at least 1"),
+    ("talker", "kv_dtype", "fp8", 'kv_dtype must be "auto" or "bfloat16" or "float8_e4m3fn"'),
+    ("speech", "idle_timeout_s", "0", "idle_timeout_s must be more than 0 seconds"),
+    ("code2wav", "device", "gpu0", 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
+    ("speech", "one_tick", "false", "speech: no such parameter: one_tick"),
+    ("talker", "code2wav_conversations", "4", "talker: no such parameter: code2wav_conversations"),
+])
+def test_a_bad_parameter_is_refused_with_its_name(model, key, value, message):
+    with pytest.raises(ParameterError, match=message) as refused:
+        CONFIGS[model].from_parameters({key: value})
+    assert value in str(refused.value) or "no such parameter" in message
 
 
 def test_write_elsewhere_copies_the_adapters(tmp_path):
@@ -92,8 +154,8 @@ def test_the_one_stub_repository_serves_the_same_contract(tmp_path):
         assert line in one["speech"] and line in one["ensemble"]
     assert 'model_name: "speech"' in one["ensemble"] and "talker" not in one["ensemble"]
     assert one["ensemble"].split("ensemble_scheduling")[0] == two["ensemble"].split("ensemble_scheduling")[0]
-    for key in ("max_conversations", "kv_dtype", "warm_personas", "send_threads", "start_piece_spacing",
-                "decoder_conversations"):
+    for key in ("max_conversations", "kv_dtype", "warm_personas", "send_threads", "prefill_chunk_spacing",
+                "code2wav_conversations"):
         assert f'{{ key: "{key}" value:' in one["speech"]
     with pytest.raises(KeyError, match="talker.max_conversations"):  # no talker model in that repository
         model_configs.configs(overrides={"talker.max_conversations": "8"}, one_stub=True)

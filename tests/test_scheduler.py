@@ -129,29 +129,6 @@ def test_admission_refuses_a_conversation_that_would_make_the_live_ones_late():
     assert Scheduler(table_with(1), clock=clock).admission_error(200) is None  # off by default
 
 
-def test_with_a_tick_interval_the_model_and_admission_count_the_wait_for_a_spaced_tick():
-    model = TickModel()
-    for i in range(MODEL_MIN_TICKS):
-        frames = 8 + i % 16
-        model.add(frames, 0.012 + 0.0005 * frames)
-    # 32 conversations: back to back 12 / (1 - 0.2) = 15 ms; every 30 ms each tick carries 12 frames: 18 ms
-    assert model.steady_tick_s(32) == pytest.approx(0.015)
-    assert model.steady_tick_s(32, interval_s=0.03) == pytest.approx(0.018)
-    assert model.steady_tick_s(100, interval_s=0.03) == pytest.approx(0.012 / 0.375)  # 32 ms back to back: longer
-
-    clock = Clock()
-    spaced = Scheduler(table_with(1), admission_tick_s=0.03, min_tick_interval_s=0.04, clock=clock)
-    greedy = Scheduler(table_with(1), admission_tick_s=0.03, clock=clock)
-    for scheduler in (spaced, greedy):
-        scheduler.model = model
-    # 40 conversations: back to back 12 / 0.75 = 16 ms ticks; spaced, 12 + 0.25 * 40 = 22 ms ticks every
-    # 40 ms: a frame waits up to 40 ms and is answered 22 ms later, (40 + 22) / 2 = 31 > 30
-    assert greedy.admission_error(39) is None
-    error = spaced.admission_error(39)
-    assert error.startswith("at capacity: 39 live conversations") and "22 ms ticks every 40 ms" in error
-    assert spaced.admission_error(19) is None  # 20: 12 + 0.125 * 40 = 17 ms, (40 + 17) / 2 = 28.5
-
-
 def test_a_tick_out_of_gpu_memory_refuses_newcomers_for_a_while():
     clock = Clock()
     scheduler = Scheduler(table_with(1), clock=clock)
@@ -159,27 +136,3 @@ def test_a_tick_out_of_gpu_memory_refuses_newcomers_for_a_while():
     assert scheduler.admission_error(5).startswith("at capacity: a tick ran out of GPU memory")
     clock.now += MEMORY_FULL_S + 1
     assert scheduler.admission_error(5) is None
-
-
-def test_a_minimum_interval_spaces_ticks_out_unless_every_conversation_waits():
-    clock = Clock()
-    table = table_with(3)
-    scheduler = Scheduler(table, min_tick_interval_s=0.03, clock=clock)
-    queue(table, 0, clock)
-    assert sorted(scheduler.schedule().items) == [0]  # the first tick: nothing to space from
-    clock.now += 0.01
-    queue(table, 1, clock)
-    assert scheduler.due_in() == pytest.approx(0.02) and scheduler.schedule() is None  # gathering
-    clock.now += 0.015
-    queue(table, 2, clock)
-    assert scheduler.due_in() == pytest.approx(0.005)
-    clock.now += 0.005
-    assert sorted(scheduler.schedule().items) == [1, 2]  # 30 ms after the last tick's start
-    clock.now += 0.001
-    for key in range(3):  # every live conversation has a frame: nothing more can gather
-        queue(table, key, clock)
-    assert scheduler.due_in() == 0 and sorted(scheduler.schedule().items) == [0, 1, 2]
-    clock.now += 0.001
-    queue(table, 0, clock)
-    assert scheduler.due_in() == pytest.approx(0.029)
-    assert Scheduler(table, clock=clock).due_in() == 0  # off by default: at once

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from personaplex_triton.core import contract, seam
+from personaplex_triton.serving.parameters import Code2WavConfig
 from personaplex_triton.serving.serving import Code2WavService, InputError, audio_frames, sampling_params
 
 
@@ -45,7 +46,7 @@ def test_sampling_params_from_inputs():
 
 @pytest.fixture(scope="module")
 def code2wav(tiny_checkpoint):
-    service = Code2WavService(str(tiny_checkpoint), max_conversations=2)
+    service = Code2WavService(Code2WavConfig(checkpoint=str(tiny_checkpoint), max_conversations=2, device="cpu"))
     yield service
     service.close()
 
@@ -82,8 +83,8 @@ def test_code2wav_decodes_a_talker_ticks_frames_in_one_tick(code2wav):
     """Frames of one talker tick (seam.TICK) arriving apart, as its answers leave one by one,
     make one decoder tick once the last has come."""
     ticks = []
-    decoder_tick = code2wav.decoder.tick
-    code2wav.decoder.tick = lambda items: (ticks.append(len(items)), decoder_tick(items))[1]
+    decoder_tick = code2wav.code2wav.tick
+    code2wav.code2wav.tick = lambda items: (ticks.append(len(items)), decoder_tick(items))[1]
     try:
         results = []
         for conversation in (11, 12):
@@ -98,7 +99,7 @@ def test_code2wav_decodes_a_talker_ticks_frames_in_one_tick(code2wav):
             assert done.wait(30)
         assert ticks == [2]
     finally:
-        code2wav.decoder.tick = decoder_tick
+        code2wav.code2wav.tick = decoder_tick
 
 
 @pytest.mark.parametrize("tick, message", [

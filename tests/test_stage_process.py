@@ -122,27 +122,6 @@ def test_a_child_that_dies_between_ticks_stops_its_engine_at_the_next_heartbeat(
     engine.shutdown(0)
 
 
-def test_the_stage_process_parameter_is_on_by_default_on_a_gpu_only_and_refuses_other_words():
-    from personaplex_triton.serving.stage_builds import stage_process
-
-    assert stage_process({}, "cuda:0") and not stage_process({}, "cpu")
-    assert stage_process({"stage_process": "True"}, "cpu") and not stage_process({"stage_process": "false"}, "cuda")
-    with pytest.raises(ValueError, match='stage_process must be "auto", "true" or "false", got \'yes\''):
-        stage_process({"stage_process": "yes"}, "cpu")
-
-
-def test_send_threads_are_several_where_the_stage_ticks_in_its_own_process_and_refuse_other_words():
-    from personaplex_triton.core import tunables
-    from personaplex_triton.serving.stage_builds import send_threads
-
-    assert send_threads({}, own_process=True) == tunables.STAGE_PROCESS_SEND_THREADS > 1
-    assert send_threads({"send_threads": "auto"}, own_process=False) == 1
-    assert send_threads({"send_threads": " 3 "}, own_process=False) == 3
-    for word in ("0", "-2", "two", "1.5"):
-        with pytest.raises(ValueError, match=f'send_threads must be "auto" or a whole number of at least 1, got \'{word}\''):
-            send_threads({"send_threads": word}, own_process=True)
-
-
 def test_a_ctrl_c_to_the_process_group_leaves_the_child_to_the_stub(echo):
     """A terminal's Ctrl-C (SIGINT to every process of the group) must not end the child under
     a stub that is still draining: the stub ends it."""
@@ -152,22 +131,3 @@ def test_a_ctrl_c_to_the_process_group_leaves_the_child_to_the_stub(echo):
     os.kill(echo.pid, signal.SIGINT)
     time.sleep(0.5)
     assert echo.tick({0: "a"}) == {0: ("a", echo.pid, 1)}
-
-
-@pytest.mark.parametrize("model", ["talker", "speech"])
-def test_the_talker_and_speech_models_read_the_talkers_options_alike(model):
-    """Both models serve a talker: their generated parameters become `TalkerService`'s options
-    by one reading, and a value set in the config arrives as its type."""
-    import inspect
-
-    from personaplex_triton.serving import model_configs
-    from personaplex_triton.serving.serving import TalkerService
-    from personaplex_triton.serving.stage_builds import talker_options
-
-    params = {p.key: p.value for p in model_configs.PARAMETERS[model]}
-    options = talker_options({**params, "start_piece_spacing": "3", "kv_dtype": "float8_e4m3fn"})
-    accepted = inspect.signature(TalkerService).parameters
-    assert set(options) <= set(accepted), set(options) - set(accepted)
-    assert options["start_piece_spacing"] == 3 and options["kv_dtype"] == "float8_e4m3fn"
-    assert options["persona_cache_size"] == int(params["persona_cache_size"]) and options["warm_personas"] == "all"
-    assert options["min_tick_interval_ms"] == 0.0

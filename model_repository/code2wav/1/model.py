@@ -1,12 +1,12 @@
 """Stage 1 on Triton: decoupled, one frame of agent codes in, 1920 PCM samples out."""
 
-from personaplex_triton.core import loaders, seam
+from personaplex_triton.core import seam
+from personaplex_triton.serving.parameters import Code2WavConfig
 from personaplex_triton.serving.sends_gauge import SendsBehindWriter
-from personaplex_triton.serving.serving import Code2WavService, load_log_lines, pick_device
+from personaplex_triton.serving.serving import Code2WavService, load_log_lines
 from personaplex_triton.serving.shutdown import mark_finalized, register
-from personaplex_triton.serving.stage_builds import send_threads, stage_process
 from personaplex_triton.serving.triton_adapter import (
-    TritonMetrics, instance_gpu, loaded, log_info, model_parameters, request_arrays, responder, route_library_logs)
+    TritonMetrics, loaded, log_info, request_arrays, responder, route_library_logs)
 
 INPUTS = tuple(spec.name for spec in seam.TENSORS)
 
@@ -14,16 +14,11 @@ INPUTS = tuple(spec.name for spec in seam.TENSORS)
 class TritonPythonModel:
     def initialize(self, args):
         route_library_logs()
-        params = model_parameters(args)
-        device = pick_device(params.get("device", "auto"), instance_gpu(args))
-        own_process = stage_process(params, device)
-        self.service = Code2WavService(
-            loaders.checkpoint_spec(params.get("checkpoint", "")), params["max_conversations"], device,
-            params["mimi_runtime"], send_threads=send_threads(params, own_process),
-            stage_process=own_process,
-            # its backlog for the talker's admission, in another stub (sends_gauge.py)
-            metrics=TritonMetrics(args["model_name"], SendsBehindWriter(args["model_name"], args["model_instance_name"])))
-        for line in load_log_lines(args["model_name"], self.service.info, self.service.engine.send_threads):
+        name = args["model_name"]
+        # its backlog for the talker's admission, in another stub (sends_gauge.py)
+        metrics = TritonMetrics(name, SendsBehindWriter(name, args["model_instance_name"]))
+        self.service = Code2WavService(Code2WavConfig.from_triton(args), metrics)
+        for line in load_log_lines(name, self.service.info, self.service.engine.send_threads):
             log_info(line)
         self.instance = args["model_instance_name"]
         register(self.instance, drains=False)  # the talker ends its sequences at shutdown

@@ -69,7 +69,7 @@ class FrameTrace:
 
     def frame(self, conversation: int, index: int, queued: float, tick_start: float, tick_end: float,
               tick_cpu: float, rows: int, sent: float, split: float | None = None) -> None:
-        """`split`: a tick that stepped both stages (stages/speech.py) began decoding then."""
+        """`split`: a tick that stepped both stages (stages/one_tick.py) began decoding then."""
         record = {"conversation": conversation, "index": index, "queued": queued, "tick_start": tick_start,
                   "tick_end": tick_end, "tick_cpu": tick_cpu, "rows": rows, "sent": sent}
         if split is not None:
@@ -102,7 +102,7 @@ def read_prefills(directory: str | os.PathLike, stage: str | None = None) -> lis
 
 def read(directory: str | os.PathLike, stage: str) -> list[dict]:
     """Every frame record of `stage` under `directory` (all its processes). A talker record with
-    a `split` is of a tick that stepped both stages (stages/speech.py): it reads as the talker's
+    a `split` is of a tick that stepped both stages (stages/one_tick.py): it reads as the talker's
     tick up to the split, answered at once, and code2wav's from the split, its frame queued
     then; so every reader of the trace sees a frame's trip in the same segments (SEGMENTS)."""
     def lines_of(name: str) -> list[dict]:

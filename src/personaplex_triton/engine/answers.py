@@ -36,7 +36,7 @@ class TickSpan(NamedTuple):
     """A tick as the frame trace records it: its wall-clock start and end, the CPU time of the
     thread that ran it (a tick's GPU waits spin on the CPU, so a tick far longer than its CPU time
     waited off it: for the GIL, held by the stub's other threads, or a lock) and, for a stage
-    that steps both stages in one tick (stages/speech.py), when its second part began."""
+    that steps both stages in one tick (stages/one_tick.py), when its second part began."""
 
     start: float
     end: float

@@ -16,11 +16,6 @@ answered), and a tick waits until the oldest waiting item's group has all arrive
 `gather_max_s` (a frame of the group may never come: its conversation ended). One talker tick
 then makes one decoder tick, not a few fragments that each take the GPU from the talker.
 
-`min_tick_interval_s` spaces ticks out: one starts no sooner than that after the last one
-started, unless every live conversation already has a frame waiting (nothing more would
-gather). Fewer, larger ticks read the weights fewer times: less GPU work for the same frames,
-at the cost of a frame waiting longer for its tick. Off by default (the greedy ticks above).
-
 A chunked prefill (prefills.py) runs between the ticks, one chunk a pass of the engine's loop.
 `chunk_spacing_ticks` > 1 keeps that many ticks between two chunks of a prefill while live
 frames wait: a frame that comes during the tick just before a chunk waits for the rest of that
@@ -90,12 +85,11 @@ class TickModel:
         per_frame = max(sum((k - mean_k) * (t - mean_t) for k, t in self._ticks) / spread, 0.0)
         return max(mean_t - per_frame * mean_k, 0.0), per_frame
 
-    def steady_tick_s(self, conversations: int, interval_s: float = 0.0) -> float | None:
+    def steady_tick_s(self, conversations: int) -> float | None:
         """The tick length at which `conversations` paced conversations settle, ticking back to
         back (each tick carries the frames that came during the last: k = n * T / FRAME_S, so
-        T = fixed / (1 - n * per_frame / FRAME_S)), or, where that is shorter than `interval_s`
-        (the scheduler's least time between tick starts), ticking every `interval_s` (k = n *
-        interval_s / FRAME_S); inf where they cannot keep up, None while nothing is measured."""
+        T = fixed / (1 - n * per_frame / FRAME_S)); inf where they cannot keep up, None while
+        nothing is measured."""
         fitted = self.fit()
         if fitted is None:
             return None
@@ -103,20 +97,18 @@ class TickModel:
         load = conversations * per_frame / FRAME_S
         if load >= 1:
             return float("inf")
-        back_to_back = fixed / (1 - load)
-        return back_to_back if back_to_back >= interval_s else fixed + load * interval_s
+        return fixed / (1 - load)
 
 
 class Scheduler:
     def __init__(self, table: ConversationTable, gather: Callable[[Any], tuple[int, int] | None] | None = None,
-                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, min_tick_interval_s: float = 0.0,
-                 chunk_spacing_ticks: int = 1, clock=time.time):
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, chunk_spacing_ticks: int = 1,
+                 clock=time.time):
         """`gather`, `gather_max_s`: how a tick gathers frames (the module docstring; None: it
         starts as soon as one waits). `admission_tick_s`: a new conversation is refused
         when the tick model says the live ones and it would settle at ticks longer than this
         (a frame waits up to one tick and is answered at the end of the next: about two
-        ticks); 0: no admission by time. `min_tick_interval_s`: the least time from one tick's
-        start to the next's (the module docstring; 0: none). `chunk_spacing_ticks`: the ticks
+        ticks); 0: no admission by time. `chunk_spacing_ticks`: the ticks
         between two chunks of a prefill while live frames wait (the module docstring; 1: as the
         loop runs, a chunk a pass). `clock`: the wall clock, which the queue's items are stamped
         with (for the frame trace)."""
@@ -126,11 +118,9 @@ class Scheduler:
         self.gather = gather
         self.gather_max_s = gather_max_s
         self.admission_tick_s = admission_tick_s
-        self.min_tick_interval_s = min_tick_interval_s
         self.chunk_spacing_ticks = chunk_spacing_ticks
         self._ticks_since_chunk = chunk_spacing_ticks
         self._clock = clock
-        self._last_tick_at: float | None = None
         self.model = TickModel()
         self._memory_full_at: float | None = None
 
@@ -142,10 +132,6 @@ class Scheduler:
         queues = [conv.queue for conv in ready if conv.queue]
         if not queues:
             return None
-        if self.min_tick_interval_s > 0 and self._last_tick_at is not None and len(queues) < len(ready):
-            spaced = self._last_tick_at + self.min_tick_interval_s - now
-            if spaced > 0:
-                return spaced
         if self.gather is None:
             return 0.0
         _, item, queued = min((queue[0] for queue in queues), key=lambda entry: entry[2])
@@ -161,7 +147,6 @@ class Scheduler:
         due = self.due_in()
         if due is None or due > 0:
             return None
-        self._last_tick_at = self._clock()
         self._ticks_since_chunk += 1
         rows = [(c.slot, (c, *c.queue.popleft())) for c in self._table.ready() if c.queue]
         return TickPlan(dict(sorted(rows, key=lambda row: row[1][3])))  # by the time each was queued
@@ -196,13 +181,11 @@ class Scheduler:
                     f"{SENDS_BEHIND_LIMIT_S:.2f} s): the server cannot send them in real time; try again later")
         if self.admission_tick_s <= 0:
             return None
-        tick = self.model.steady_tick_s(live + 1, self.min_tick_interval_s)
-        # A frame waits up to one tick's cycle (the tick, or the interval where that is longer)
-        # and is answered at the end of its own tick: held to two of admission_tick_s's ticks.
-        if tick is None or (max(tick, self.min_tick_interval_s) + tick) / 2 <= self.admission_tick_s:
+        tick = self.model.steady_tick_s(live + 1)
+        # A frame waits up to one tick and is answered at the end of its own: held to two of
+        # admission_tick_s's ticks.
+        if tick is None or tick <= self.admission_tick_s:
             return None
-        settles = "cannot keep up" if tick == float("inf") else (
-            f"would settle at {tick * 1e3:.0f} ms ticks" + (f" every {self.min_tick_interval_s * 1e3:.0f} ms"
-                                                          if tick < self.min_tick_interval_s else ""))
+        settles = "cannot keep up" if tick == float("inf") else f"would settle at {tick * 1e3:.0f} ms ticks"
         return (f"at capacity: {live} live conversations and one more {settles} "
                 f"(the limit is {self.admission_tick_s * 1e3:.0f} ms, to answer every frame in real time)")

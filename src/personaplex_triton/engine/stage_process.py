@@ -83,7 +83,7 @@ class StageProcess(Stage):
         self._call_lock = threading.Lock()  # one call and its answer at a time (the loop's; `close`)
         self._died: str | None = None
         self.last_tick_cpu_s = 0.0  # the child's CPU time in the last tick (the tick's trace)
-        self.last_tick_split: float | None = None  # the stage's own, where it has one (stages/speech.py)
+        self.last_tick_split: float | None = None  # the stage's own, where it has one (stages/one_tick.py)
         self._conn, child = Pipe(duplex=True)
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}

@@ -1,14 +1,15 @@
 """The model repositories' `config.pbtxt` files, made from the wire contract.
 
 Tensor names, types and shapes come from `contract.INPUTS` / `contract.OUTPUTS` (the ensemble,
-the talker's inputs) and `seam.TENSORS` (between the stages); the model parameters and their
-defaults are the tables below. There are two repositories, both served as `ensemble`:
+the talker's inputs) and `seam.TENSORS` (between the stages); the model parameters, their
+defaults and help from each model's config (parameters.py), which also makes the parameter
+table of docs/configuration.md. There are two repositories, both served as `ensemble`:
 `model_repository` (talker, code2wav, and the ensemble chaining them) and
 `model_repository_one_stub` (`speech`: both stages in one Python stub, and the ensemble of it).
 The committed `config.pbtxt` files are this module's output with the defaults (a test checks
 it). A deployment writes its own:
 
-    python -m personaplex_triton.serving.model_configs                  # rewrite model_repository/*/config.pbtxt
+    python -m personaplex_triton.serving.model_configs                  # rewrite model_repository/*/config.pbtxt, docs' table
     python -m personaplex_triton.serving.model_configs --one-stub       # rewrite model_repository_one_stub/*/config.pbtxt
     python -m personaplex_triton.serving.model_configs --check          # exit 1 where they differ from the contract
     python -m personaplex_triton.serving.model_configs --out /srv/models --gpus all \
@@ -26,14 +27,16 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from dataclasses import dataclass, replace
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..core import contract, seam, tunables
-from ..core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY
+from ..core import contract, seam
+from ..core.paths import MODEL_REPOSITORY, ONE_STUB_REPOSITORY, REPO_ROOT
+from .parameters import CONFIGS, Code2WavConfig, SpeechConfig, TalkerConfig, defaults
 
 # Each repository's models: the two stages chained by the ensemble (the default), or both stages
-# in one Python stub (`speech`, serving/speech.py), which a frame crosses into and out of once,
+# in one Python stub (`speech`, serving/one_stub.py), which a frame crosses into and out of once,
 # behind an ensemble of that one step. Clients see the same `ensemble` in both.
 REPOSITORIES = {MODEL_REPOSITORY: ("talker", "code2wav", "ensemble"), ONE_STUB_REPOSITORY: ("speech", "ensemble")}
 PBTXT_TYPES = {"FP32": "TYPE_FP32", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64",
@@ -41,75 +44,9 @@ PBTXT_TYPES = {"FP32": "TYPE_FP32", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64"
 # A sequence that sends nothing for this long loses its place in the sequence batcher.
 SEQUENCE_IDLE_US = 60_000_000
 # Sequences the batcher hands a model at once. Past them Triton keeps a sequence in a backlog,
-# unanswered, until a candidate ends: on the H200 at 76 conversations 4 of the 68 the talker
-# admitted (64 candidates then) waited 24 s. So more than any pool's slots: a model refuses
-# conversations past its own, with an error saying so.
+# unanswered, until a candidate ends (admitted conversations waited tens of seconds so). So more
+# than any pool's slots: a model refuses conversations past its own, with an error saying so.
 MAX_CANDIDATE_SEQUENCES = 1024
-
-
-@dataclass(frozen=True)
-class Parameter:
-    key: str
-    value: str
-    why: str = ""  # written as a comment above the parameter
-
-
-MIMI_RUNTIME = Parameter("mimi_runtime", "auto",
-                         "Where Mimi runs: auto (TensorRT engine, else ONNX Runtime on the CPU, else PyTorch; the\n"
-                         "server log says which), or forced: tensorrt, onnxruntime, torch.")
-CHECKPOINT = Parameter("checkpoint", "", '"" serves $PERSONAPLEX_CHECKPOINT, else the generated checkpoints/tiny '
-                                         "of this repository.")
-DEVICE = Parameter("device", "auto", "auto: the instance's GPU where there is one, else the CPU.")
-SEND_THREADS = Parameter("send_threads", "auto", "Threads that send a tick's answers, each its own conversations' "
-                                                "in order: a send is a round trip to tritonserver, and several can "
-                                                "be in flight at once; auto: 4 where the stage runs in a process of "
-                                                "its own (stage_process), else 1.")
-STAGE_PROCESS = Parameter("stage_process", "auto", "true: the stage (its model and its ticks) runs in a process "
-                                                 "of its own beside the stub, so that its ticks never wait for the "
-                                                 "stub's GIL (its request and send threads); auto: on a GPU, not on "
-                                                 "a CPU.")
-
-PARAMETERS = {
-    "talker": (
-        Parameter("max_conversations", "auto", "Conversation slots of one instance: a number, or auto: 4 on a "
-                                               "CPU; on a GPU as many as fit in free memory at the full "
-                                               "3000-frame context (the server log says how many and why)."),
-        CHECKPOINT, DEVICE,
-        Parameter("dtype", "auto", "The LM's dtype: auto (bfloat16 on a GPU, as published; float32 on a CPU), "
-                                   "float32, bfloat16."),
-        Parameter("kv_dtype", "auto", "What the temporal transformer's KV cache stores: auto (the LM's dtype), bfloat16, or\n"
-                                      "float8_e4m3fn (GPU only: half the bytes a conversation holds and a step reads, so\n"
-                                      "about twice the conversations fit; values past +-448 saturate)."),
-        MIMI_RUNTIME,
-        Parameter("idle_timeout_s", "60", "A conversation with nothing pending this long is closed; slots of "
-                                          "conversations silent this long are given to new ones when all are taken."),
-        Parameter("persona_cache_size", "16", "Personas (voice, role prompt) whose prefilled state is kept: "
-                                              "a repeat one starts at once."),
-        Parameter("warm_personas", "all", 'Personas prefilled at load (into the cache): "all" voices of the '
-                                          'checkpoint, or names ("NATF0,NATM0"), each with an empty role '
-                                          'prompt; "" none.'),
-        Parameter("min_tick_interval_ms", "0", "The least time from one tick's start to the next's: fewer, larger "
-                                               "ticks (less GPU work for the same frames, frames wait longer for "
-                                               "theirs); 0: a tick starts as soon as a frame waits."),
-        Parameter("start_piece_spacing", str(tunables.PREFILL_CHUNK_SPACING_TICKS),
-                  "Ticks of the live conversations between two pieces of a new persona's start (its prefill)\n"
-                  "while their frames wait: more keeps more of their frames on time and makes the newcomer\n"
-                  "wait longer for its first answer; 1: a piece after every tick."),
-        SEND_THREADS, STAGE_PROCESS,
-    ),
-    "code2wav": (
-        Parameter("max_conversations", "auto", "More than the talker's: a conversation that ends without FINAL "
-                                               "holds its slot until replaced. auto: 8 on a CPU, 192 on a GPU."),
-        CHECKPOINT, DEVICE, MIMI_RUNTIME, SEND_THREADS, STAGE_PROCESS,
-    ),
-}
-# `speech` takes the talker's parameters (its send threads send the audio) and code2wav's pool.
-PARAMETERS["speech"] = PARAMETERS["talker"] + (
-    Parameter("decoder_conversations", "auto", "code2wav's conversation slots: auto: 8 on a CPU, 192 on a GPU."),
-    Parameter("one_tick", "true", "true: one engine's tick steps the talker, then decodes the frames it answered, "
-                                  "in one process\nand CUDA context (a frame's audio comes back with its tick); "
-                                  "false: the stages tick apart, each\nin an engine (and, with stage_process, a "
-                                  "process) of its own, code2wav's tick taking the talker's frames."),)
 
 
 @dataclass(frozen=True)
@@ -137,9 +74,11 @@ def _tensors(section: str, specs, as_input: bool) -> str:
 
 
 def _parameters(parameters) -> str:
+    """(key, value, help) triples as a `parameters` block, each help as a comment above its line."""
     # Each entry ends with its parameter line, so joining entries with "," puts it after that line.
-    entries = ["\n".join([f"  # {line}" for line in p.why.splitlines()]
-                         + [f'  {{ key: "{p.key}" value: {{ string_value: "{p.value}" }} }}']) for p in parameters]
+    entries = ["\n".join([f"  # {line}" for line in textwrap.wrap(help, 100)]
+                         + [f'  {{ key: "{key}" value: {{ string_value: "{value}" }} }}'])
+               for key, value, help in parameters]
     return "parameters [\n" + ",\n".join(entries) + "\n]"
 
 
@@ -159,22 +98,22 @@ def _stage(name: str, header: str, inputs, outputs, instances: Instances, parame
     ]) + "\n"
 
 
-def talker_config(instances: Instances = Instances(), parameters=PARAMETERS["talker"]) -> str:
+def talker_config(instances: Instances = Instances(), parameters=defaults(TalkerConfig)) -> str:
     header = ("# Stage 0: PersonaPlex's temporal transformer + depformer, with the Mimi encoder for the\n"
               "# user's audio. One engine per instance batches every live conversation per step.\n")
     return _stage("talker", header, contract.INPUTS, seam.TENSORS, instances, parameters)
 
 
-def code2wav_config(instances: Instances = Instances(), parameters=PARAMETERS["code2wav"]) -> str:
-    header = ("# Stage 1: the streaming Mimi decoder, decoder state kept per conversation (CONVERSATION_ID;\n"
+def code2wav_config(instances: Instances = Instances(), parameters=defaults(Code2WavConfig)) -> str:
+    header = ("# Stage 1: code2wav, Mimi's streaming decoder, its state kept per conversation (CONVERSATION_ID;\n"
               "# FRAME_INDEX 0 resets it, FINAL frees it), batched across conversations per tick. Under the\n"
               "# sequence batcher so that, with several instances, a conversation stays on one.\n")
     return _stage("code2wav", header, seam.TENSORS, contract.OUTPUTS, instances, parameters)
 
 
-def speech_config(instances: Instances = Instances(), parameters=PARAMETERS["speech"]) -> str:
-    header = ("# Both stages in one Python stub (serving/speech.py): one tick steps the talker, then decodes\n"
-              "# its frames (one_tick). The ensemble of this repository is its one step: a client's gRPC stream then\n"
+def speech_config(instances: Instances = Instances(), parameters=defaults(SpeechConfig)) -> str:
+    header = ("# Both stages in one Python stub (serving/one_stub.py): one tick steps the talker, then decodes\n"
+              "# its frames. The ensemble of this repository is its one step: a client's gRPC stream then\n"
               "# holds the ensemble, not this model, and Triton 2.51 can unload it at shutdown.\n")
     return _stage("speech", header, contract.INPUTS, contract.OUTPUTS, instances, parameters)
 
@@ -208,8 +147,11 @@ def configs(instances: Instances = Instances(), overrides: dict | None = None, o
     overrides = dict(overrides or {})
     parameters = {}
     for model in REPOSITORIES[ONE_STUB_REPOSITORY if one_stub else MODEL_REPOSITORY]:
-        parameters[model] = tuple(replace(p, value=overrides.pop(f"{model}.{p.key}", p.value))
-                                  for p in PARAMETERS.get(model, ()))
+        if model in CONFIGS:
+            parameters[model] = [(key, overrides.pop(f"{model}.{key}", value), help)
+                                 for key, value, help in defaults(CONFIGS[model])]
+            # a value set is checked as the model will read it (ParameterError naming it)
+            CONFIGS[model].from_parameters({key: value for key, value, _ in parameters[model]})
     if overrides:
         raise KeyError(f"no such model parameter: {', '.join(sorted(overrides))}")
     if one_stub:
@@ -242,11 +184,40 @@ def is_one_stub(model_repository: Path) -> bool:
     return (model_repository / "speech").is_dir()
 
 
+DOCS = REPO_ROOT / "docs" / "configuration.md"
+TABLE_BEGIN = "<!-- parameters: generated by python -m personaplex_triton.serving.model_configs -->"
+TABLE_END = "<!-- end of the generated parameters -->"
+
+
+def parameter_table() -> str:
+    """The models' parameters as a Markdown table (docs/configuration.md), from their configs."""
+    rows = ["| Parameter | Default | Models | What it does |", "|---|---|---|---|"]
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for model, config in CONFIGS.items():
+        for entry in defaults(config):
+            seen.setdefault(entry, []).append(model)
+    for (key, value, help), models in seen.items():
+        shown = f"`{value}`" if value else "(empty)"
+        rows.append(f"| `{key}` | {shown} | {', '.join(models)} | {help.replace('|', '&#124;')} |")
+    return "\n".join(rows)
+
+
+def docs_with_table(text: str) -> str:
+    """docs/configuration.md's text with the generated table between its markers."""
+    before, begin, rest = text.partition(TABLE_BEGIN)
+    _, end, after = rest.partition(TABLE_END)
+    if not begin or not end:
+        raise ValueError(f"{DOCS} lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
+    return before + TABLE_BEGIN + "\n" + parameter_table() + "\n" + TABLE_END + after
+
+
 def stale(model_repository: Path | None = None) -> list[str]:
     """Models whose config.pbtxt differs from the default output: of `model_repository`, else of
-    both of this repository's own (named repository/model)."""
+    both of this repository's own (named repository/model), and the docs' parameter table."""
     if model_repository is None:
-        return [f"{home.name}/{model}" for home in REPOSITORIES for model in stale(home)]
+        docs = DOCS.read_text()
+        return [f"{home.name}/{model}" for home in REPOSITORIES for model in stale(home)] + \
+            ([] if docs_with_table(docs) == docs else ["docs/configuration.md"])
     texts = configs(one_stub=is_one_stub(model_repository))
     return [model for model, text in texts.items()
             if not (model_repository / model / "config.pbtxt").is_file()
@@ -285,13 +256,17 @@ def main(argv=None) -> int:
     if args.check:
         differ = stale(args.out)
         for model in differ:
-            print(f"{args.out / model if args.out else model}/config.pbtxt differs from the contract: "
-                  "run python -m personaplex_triton.serving.model_configs", file=sys.stderr)
+            name = model if model.endswith(".md") else f"{args.out / model if args.out else model}/config.pbtxt"
+            print(f"{name} differs from the contract: run python -m personaplex_triton.serving.model_configs",
+                  file=sys.stderr)
         return 1 if differ else 0
     overrides = dict(args.set)
     out = args.out or (ONE_STUB_REPOSITORY if args.one_stub else MODEL_REPOSITORY)
     for path in write(out, instances_from_args(args.gpus, args.cpu_instances), overrides, args.one_stub):
         print(path)
+    if args.out is None and not overrides:  # this repository's own: its docs' table too
+        DOCS.write_text(docs_with_table(DOCS.read_text()))
+        print(DOCS)
     return 0
 
 

@@ -9,7 +9,7 @@ file not written for STALE_S (its stub gone or not loaded yet) counts as no back
 stub is the health check's to report. A stub removes its file at unload; one that was killed
 leaves it, and the next writer on the host removes the files of servers no longer running. A
 container has a /dev/shm of its own unless it shares the host's IPC namespace. In one stub
-(serving/speech.py) the talker asks code2wav's engine directly.
+(serving/one_stub.py) one engine ticks both stages.
 """
 
 from __future__ import annotations

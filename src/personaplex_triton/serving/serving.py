@@ -23,6 +23,7 @@ from ..lm.sampling import SamplingParams
 from ..stages.code2wav import CodesFrame, tick_group
 from ..stages.persona import PromptTooLong
 from ..stages.talker import text_piece
+from .parameters import Code2WavConfig, TalkerConfig
 from .stage_builds import StageInfo, build_code2wav, build_talker, open_stage, use_device_threads
 
 log = logging.getLogger(__name__)
@@ -39,21 +40,9 @@ class InputError(ValueError):
 
 
 class LimitError(InputError):
-    """A request over one of the documented limits (tunables.MAX_*)."""
+    """A request over one of the documented limits (loaders.MAX_*)."""
 
     reason = reasons.LIMIT
-
-
-def pick_device(configured: str = "auto", gpu_index: int | None = None) -> str:
-    """`configured` unless "auto"; else the instance's GPU (`gpu_index`: Triton's device id of a
-    KIND_GPU instance), any CUDA device, or the CPU."""
-    import torch
-
-    if configured and configured != "auto":
-        return configured
-    if not torch.cuda.is_available():
-        return "cpu"
-    return "cuda" if gpu_index is None else f"cuda:{gpu_index}"
 
 
 def audio_frames(audio: np.ndarray | None) -> np.ndarray:
@@ -133,38 +122,31 @@ def load_log_lines(model: str, info: StageInfo, send_threads: int) -> list[str]:
 
 class TalkerService:
     """Stage 0: user audio frames in, one agent frame (codes + text) out per input frame.
-    `stage_process`: the talker (its model and its ticks) runs in a process of its own
-    (engine/stage_process.py), so that its ticks never wait for this process's GIL.
-    `downstream_behind_s`: the engine's (SlotEngine), code2wav's send backlog: its engine's in one
-    stub (speech.py), what its stub writes in two (sends_gauge.py)."""
+    With `config.stage_process` the talker (its model and its ticks) runs in a process of its
+    own (engine/stage_process.py), so that its ticks never wait for this process's GIL.
+    `downstream_behind_s`: the engine's (SlotEngine), code2wav's send backlog, as its stub
+    writes it (sends_gauge.py)."""
 
-    def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
-                 idle_timeout_s: float = 60.0, persona_cache_size: int = 16, mimi_runtime: str = "auto",
-                 warm_personas: str = "", dtype: str = "auto", kv_dtype: str = "auto",
-                 min_tick_interval_ms: float = 0.0, send_threads: int = 1, stage_process: bool = False,
-                 start_piece_spacing: int = tunables.PREFILL_CHUNK_SPACING_TICKS, metrics: Metrics | None = None,
+    def __init__(self, config: TalkerConfig, metrics: Metrics | None = None,
                  downstream_behind_s: Callable[[], float] | None = None):
         from ..stages.persona import PersonaLibrary
 
+        self.config = config = config.resolved()
         self.metrics = metrics or Metrics()
-        use_device_threads(device)
-        files = loaders.resolve_checkpoint(checkpoint)
+        use_device_threads(config.device)
+        files = loaders.resolve_checkpoint(config.checkpoint)
         self.tokenizer = loaders.get_tokenizer(files)
         self.personas = PersonaLibrary(files, self.tokenizer)
-        self.talker, self.info = self._open_stage(dict(
-            checkpoint=checkpoint, max_conversations=max_conversations, device=device,
-            persona_cache_size=persona_cache_size, mimi_runtime=mimi_runtime, warm_personas=warm_personas,
-            dtype=dtype, kv_dtype=kv_dtype), stage_process)
+        self.talker, self.info = self._open_stage(config)
         # Admission by time and by the sends on a GPU; on a CPU the pool alone (a shared
         # VM's few cores stall ticks and sends now and then, and its pool is a handful).
-        on_gpu = device.startswith("cuda")
-        self.engine = SlotEngine(self.talker, name="talker", evict_after_s=idle_timeout_s,
-                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics, faults=FaultPlan.from_env(),
-                                 admission_tick_s=tunables.GPU_ADMISSION_TICK_S if on_gpu else 0.0, admit_by_sends=on_gpu,
-                                 min_tick_interval_s=min_tick_interval_ms / 1000,
-                                 piece_spacing_ticks=start_piece_spacing, send_threads=send_threads,
-                                 downstream_behind_s=downstream_behind_s)
-        self.metrics.loaded(self.info.slots, send_threads, "encoder", self.info.mimi_runtime, self.info.warmed,
+        self.engine = SlotEngine(self.talker, name="talker", evict_after_s=config.idle_timeout_s,
+                                 idle_timeout_s=config.idle_timeout_s, metrics=self.metrics,
+                                 faults=FaultPlan.from_env(),
+                                 admission_tick_s=tunables.GPU_ADMISSION_TICK_S if config.on_gpu else 0.0,
+                                 admit_by_sends=config.on_gpu, chunk_spacing_ticks=config.prefill_chunk_spacing,
+                                 send_threads=config.send_threads, downstream_behind_s=downstream_behind_s)
+        self.metrics.loaded(self.info.slots, self.engine.send_threads, "encoder", self.info.mimi_runtime, self.info.warmed,
                             self.info.kv_dtype)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
@@ -209,9 +191,9 @@ class TalkerService:
         except ConversationError as exc:
             refuse(finish, exc, self.metrics)
 
-    def _open_stage(self, options: dict, own_process: bool):
-        """(the engine's stage, StageInfo) of the build options."""
-        return open_stage("talker", build_talker, options, own_process, self.metrics)
+    def _open_stage(self, config: TalkerConfig):
+        """(the engine's stage, StageInfo) of the config."""
+        return open_stage("talker", build_talker, config, self.metrics)
 
     def _answer(self, conversation: int, step, index: int, final: bool) -> dict:
         """A stage's output for a frame (stages/talker.AgentStep), as the response's tensors."""
@@ -260,23 +242,20 @@ def seam_frame(conversation: int, index: int, final: bool, codes: np.ndarray, te
 
 class Code2WavService:
     """Stage 1: one frame of agent codes in, 1920 samples of 24 kHz audio out.
-    `stage_process`: as the talker's (TalkerService)."""
+    `config.stage_process`: as the talker's (TalkerService)."""
 
-    def __init__(self, checkpoint: str, max_conversations: int | str, device: str = "cpu",
-                 mimi_runtime: str = "auto", idle_timeout_s: float = 60.0, send_threads: int = 1,
-                 stage_process: bool = False, metrics: Metrics | None = None):
+    def __init__(self, config: Code2WavConfig, metrics: Metrics | None = None):
+        self.config = config = config.resolved()
         self.metrics = metrics or Metrics()
-        use_device_threads(device)
-        self.decoder, self.info = open_stage("code2wav", build_code2wav, dict(
-            checkpoint=checkpoint, max_conversations=max_conversations, device=device, mimi_runtime=mimi_runtime),
-            stage_process, self.metrics)
+        use_device_threads(config.device)
+        self.code2wav, self.info = open_stage("code2wav", build_code2wav, config, self.metrics)
         # Its conversations end when the talker says so (FINAL), or get replaced once idle, or
         # are closed after the idle timeout (a talker conversation that failed sends no FINAL).
         # The talker admits them: code2wav refuses none for time or for its sends.
-        self.engine = SlotEngine(self.decoder, name="code2wav", evict_after_s=0.0,
-                                 idle_timeout_s=idle_timeout_s, metrics=self.metrics,
-                                 gather=tick_group, gather_max_s=tunables.CODE2WAV_GATHER_MAX_S, send_threads=send_threads)
-        self.metrics.loaded(self.info.slots, send_threads, "decoder", self.info.mimi_runtime)
+        self.engine = SlotEngine(self.code2wav, name="code2wav", evict_after_s=0.0,
+                                 idle_timeout_s=config.idle_timeout_s, metrics=self.metrics, gather=tick_group,
+                                 gather_max_s=tunables.CODE2WAV_GATHER_MAX_S, send_threads=config.send_threads)
+        self.metrics.loaded(self.info.slots, self.engine.send_threads, "decoder", self.info.mimi_runtime)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:
@@ -318,5 +297,5 @@ class Code2WavService:
 
     def close(self) -> None:
         self.engine.shutdown()
-        self.decoder.close()
+        self.code2wav.close()
         self.metrics.close()

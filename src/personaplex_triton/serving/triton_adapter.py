@@ -22,16 +22,6 @@ SEQUENCE_START = 1  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 SEQUENCE_END = 2    # TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 
 
-def model_parameters(args: dict) -> dict[str, str]:
-    config = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-
-
-def instance_gpu(args: dict) -> int | None:
-    """The GPU of a KIND_GPU instance (one per GPU with instance_group `gpus`), else None."""
-    return int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else None
-
-
 def log_info(message: str) -> None:
     """Into tritonserver's log (shown with --log-info, the default)."""
     pb_utils.Logger.log_info(message)
@@ -120,7 +110,7 @@ def loaded(instance: str) -> None:
 
 
 class ConversationModel:
-    """The base of a model that takes the clients' conversations (the talker; `speech`): notes
+    """The base of a model that takes the clients' conversations (the talker, `speech`): notes
     each sequence and hands each request's inputs to its service's `handle`; at shutdown drains
     the service, then ends the open sequences with the requests `end_requests(key)` names
     ((model, inputs) pairs, shutdown.Drain); at finalize closes the service. A subclass's

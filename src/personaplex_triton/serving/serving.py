@@ -144,6 +144,7 @@ class TalkerService:
                                  idle_timeout_s=config.idle_timeout_s, metrics=self.metrics,
                                  faults=FaultPlan.from_env(),
                                  admission_tick_s=tunables.GPU_ADMISSION_TICK_S if config.on_gpu else 0.0,
+                                 admission_latency_s=tunables.GPU_ADMISSION_LATENCY_S if config.on_gpu else 0.0,
                                  admit_by_sends=config.on_gpu, chunk_spacing_ticks=config.prefill_chunk_spacing,
                                  send_threads=config.send_threads, downstream_behind_s=downstream_behind_s)
         self.metrics.loaded(self.info.slots, self.engine.send_threads, "encoder", self.info.mimi_runtime, self.info.warmed,

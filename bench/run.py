@@ -150,7 +150,8 @@ def main(argv=None) -> int:
         if server_pid is None and (args.host_noise or args.freeze_once):
             raise SystemExit(f"--host-noise / --freeze-once: no tritonserver serving {args.url} on this host")
         return _bench(args, args.url, f"{args.url} (given with --url)", started, clock, local=False,
-                      metrics_url=None if metrics_url == "none" else metrics_url, server_pid=server_pid, pins=None)
+                      metrics_url=None if metrics_url == "none" else metrics_url,
+                      server_pid=server_pid, pins=None)
     available = sorted(os.sched_getaffinity(0))
     try:
         pins = host_cpu.pin_plan(available, args.pin_server, False if args.no_pin else None)
@@ -171,7 +172,8 @@ def main(argv=None) -> int:
         log(f"[server] ready in {server.ready_s:.1f} s at {server.grpc_url}")
         where = f"started by the bench on this machine (ready in {server.ready_s:.1f} s)"
         return _bench(args, server.grpc_url, where, started, clock, local=True,
-                      metrics_url=server.metrics_url, server_pid=server.tritonserver_pid(), pins=pins)
+                      metrics_url=server.metrics_url,
+                      server_pid=server.tritonserver_pid(), pins=pins)
 
 
 def _with_parameters(repository: Path, overrides: dict[str, str], scratch: Path) -> Path:
@@ -232,8 +234,8 @@ def _bench(args, url: str, where: str, started, clock: float, local: bool, metri
         result["load"] = loadgen.sweep(url, args.frames, args.conversations, log, new_personas=args.new_persona,
                                        persona_every_s=args.persona_every, aged=args.aged_context, pool=slots,
                                        trace_dir=args.trace_dir, gpu_memory=report.gpu_memory_used_gib,
-                                       metrics_url=metrics_url, client_processes=args.client_processes,
-                                       server_pid=server_pid, noise=noise)
+                                       metrics_url=metrics_url,
+                                       client_processes=args.client_processes, server_pid=server_pid, noise=noise)
         result["largest_held"] = stats.largest_held(result["load"])
     if "perf-analyzer" in args.stages:
         result["perf_analyzer"] = _perf_analyzer(url, user_frames(args.pa_frames), args.pa_concurrency)

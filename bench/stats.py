@@ -82,7 +82,7 @@ def held(summary: dict, conversations: int, pool: int | None, errors: Sequence[s
     if len(errors) > len(refused):
         not_held.append(f"{len(errors) - len(refused)} conversations failed, not refused at capacity")
     if refused and not past_pool:  # e.g. an admission by time that refuses before the pool is full
-        within = f"within the pool of {pool}" if pool is not None else "with the pool size unknown (the server's metrics not read)"
+        within = f"within the pool of {pool}" if pool is not None else "with the pool size unknown (give --metrics-url)"
         not_held.append(f"{len(refused)} starts refused at capacity {within}: failed starts under capacity")
     notes = [f"{len(refused)} starts refused at capacity (pool {pool})"] if refused and past_pool else []
     if not_held:

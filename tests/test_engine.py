@@ -369,6 +369,26 @@ def test_the_schedulers_tick_model_takes_every_tick_the_stage_ran():
         engine.shutdown()
 
 
+def test_admission_by_the_live_answers_counts_a_frame_from_when_it_could_be_answered():
+    """Sixty frames in one request (an offline client's burst) wait for their own conversation's
+    earlier frames, not for the server: about one 30 ms tick each, however long the burst."""
+    from personaplex_triton.engine.scheduler import LATENCY_MIN_FRAMES
+
+    for limit_s, refused in ((0.2, False), (0.01, True)):
+        engine = SlotEngine(CountingStage(2, tick_s=0.03), admission_latency_s=limit_s)
+        try:
+            engine.open(1, None)
+            c = run(engine, 1, list(range(LATENCY_MIN_FRAMES + 10)))
+            assert c.errors == [None]
+            if refused:
+                with pytest.raises(ConversationError, match="at capacity: the 1 live conversations' frames"):
+                    engine.open(2, None)
+            else:
+                engine.open(2, None)
+        finally:
+            engine.shutdown()
+
+
 def test_a_tick_out_of_gpu_memory_keeps_the_live_conversations_and_refuses_newcomers():
     stage = FaultyStage(2)
     engine = SlotEngine(stage)

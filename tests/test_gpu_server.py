@@ -1,7 +1,8 @@
 """On a CUDA GPU, against a real tritonserver there: the served path of the GPU deployment.
 
 `PERSONAPLEX_GPU_URL` names a server already running on this machine; without it a server is
-started on the default checkpoint (`scripts/gpu_host.sh test`: the 7B one). The exactness test
+started on the default checkpoint (`scripts/gpu_host.sh test`: the 7B one), served as the GPU
+deployment serves it: one stub, fp8 KV. The exactness test
 runs first, on a server of its own on the generated checkpoint with the LM in float32, gone
 before the other starts: a served 7B leaves too little GPU memory for a second server. In bf16
 a step of 1 row and one of 64 run different kernels, so near-tied greedy choices of random
@@ -21,6 +22,7 @@ import torch
 from personaplex_stream import Persona, stream_conversation
 from personaplex_triton.core import audio, contract
 from personaplex_triton.core.paths import MODEL_REPOSITORY, REPO_ROOT
+from personaplex_triton.serving import model_configs
 from personaplex_triton.serving.launch import TritonServer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
@@ -32,10 +34,14 @@ PROBE = Persona(voice="NATF0", text_prompt="You are a helpful assistant.", seed=
 
 @pytest.fixture(scope="module")
 def gpu_url(tmp_path_factory):
+    """The GPU deployment's repository (both stages in one stub) with an fp8 KV cache: its pool
+    holds the probe and its 63 neighbours on every card lent (bf16 KV holds fewer on an 80 GB one)."""
     if os.environ.get("PERSONAPLEX_GPU_URL"):
         yield os.environ["PERSONAPLEX_GPU_URL"]
         return
-    with TritonServer(log_path=tmp_path_factory.mktemp("triton") / "tritonserver.log") as server:
+    folder = tmp_path_factory.mktemp("triton")
+    model_configs.write(folder / "repository", overrides={"speech.kv_dtype": "float8_e4m3fn"}, one_stub=True)
+    with TritonServer(folder / "repository", log_path=folder / "tritonserver.log") as server:
         yield server.grpc_url
 
 

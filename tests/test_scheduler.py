@@ -4,7 +4,8 @@ admission by time (no stage, no server)."""
 import pytest
 
 from personaplex_triton.engine.conversations import ConversationTable, Request
-from personaplex_triton.engine.scheduler import FRAME_S, MEMORY_FULL_S, MODEL_MIN_TICKS, Scheduler, TickModel
+from personaplex_triton.engine.scheduler import (FRAME_S, LATENCY_MIN_FRAMES, LATENCY_WINDOW_S, MEMORY_FULL_S, MODEL_MIN_TICKS,
+                                                  Scheduler, TickModel)
 
 
 class Clock:
@@ -136,3 +137,25 @@ def test_a_tick_out_of_gpu_memory_refuses_newcomers_for_a_while():
     assert scheduler.admission_error(5).startswith("at capacity: a tick ran out of GPU memory")
     clock.now += MEMORY_FULL_S + 1
     assert scheduler.admission_error(5) is None
+
+
+def test_admission_refuses_while_the_live_conversations_answers_come_late():
+    clock, answers = Clock(), Clock()
+    scheduler = Scheduler(table_with(1), admission_latency_s=0.065, clock=clock, latency_clock=answers)
+    for _ in range(LATENCY_MIN_FRAMES - 1):
+        scheduler.answered(0.2)
+    assert scheduler.admission_error(10) is None  # too few answers for a verdict
+    scheduler.answered(0.2)
+    error = scheduler.admission_error(10)
+    assert error.startswith("at capacity: the 10 live conversations' frames are answered in up to 200 ms")
+    assert scheduler.admission_error(0) is None  # nobody live to protect
+    answers.now += LATENCY_WINDOW_S + 0.1  # the late answers leave the window
+    for _ in range(LATENCY_MIN_FRAMES * 2):
+        scheduler.answered(0.03)
+    assert scheduler.admission_error(10) is None
+    scheduler.answered(0.5)  # one late frame of a hundred: p99 stays under the limit
+    assert scheduler.admission_error(10) is None
+    off = Scheduler(table_with(1), clock=clock, latency_clock=answers)
+    for _ in range(LATENCY_MIN_FRAMES):
+        off.answered(0.2)
+    assert off.admission_error(10) is None  # off by default (the CPU's)

@@ -58,16 +58,19 @@ class Answer:
 
 class AnswerSender:
     def __init__(self, name: str, lock: threading.Condition, fail: Callable[[Conversation, str, str], None],
-                 metrics: Metrics, trace: FrameTrace, faults: FaultPlan | None = None):
+                 metrics: Metrics, trace: FrameTrace, faults: FaultPlan | None = None,
+                 on_answered: Callable[[float], None] = lambda latency_s: None):
         """`lock`: the engine's, over its conversations (notified when a request completes, as a
         closing conversation may then free its slot); `fail(conversation, message, reason)`
-        ends a conversation."""
+        ends a conversation; `on_answered(latency_s)`: a frame was answered that long after it
+        could be (the scheduler's admission reads them)."""
         self.name = name
         self._lock = lock
         self._fail = fail
         self.metrics = metrics
         self.trace = trace
         self.faults = faults
+        self._on_answered = on_answered
 
     def deliver(self, answers: list[Answer]) -> None:
         for answer in answers:
@@ -89,7 +92,13 @@ class AnswerSender:
             log.warning("%s: sending a frame of conversation %s failed: %s", self.name, conv.key, exc)
             self._fail(conv, f"could not send a response: {exc}", reasons.INTERNAL)
             return
-        self.metrics.frame_answered(time.monotonic() - request.received)
+        now = time.monotonic()
+        self.metrics.frame_answered(now - request.received)
+        # From when the frame could be answered: its arrival, or its conversation's last answer
+        # where frames came faster than real time (an offline client's window), which waited
+        # for their own conversation's earlier frames, not for the server.
+        self._on_answered(now - max(request.received, conv.last_answered))
+        conv.last_answered = now
         if self.trace.enabled:
             span = answer.tick_span
             self.trace.frame(conv.key, answer.index, answer.queued, span.start, span.end, span.cpu, answer.rows,

@@ -51,12 +51,13 @@ class SlotEngine:
     def __init__(self, stage: Stage, name: str = "engine", evict_after_s: float | None = None,
                  idle_timeout_s: float | None = None, metrics: Metrics | None = None,
                  faults: FaultPlan | None = None, gather: Callable[[Any], tuple[int, int] | None] | None = None,
-                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, chunk_spacing_ticks: int = 1, send_threads: int = 1,
+                 gather_max_s: float = 0.0, admission_tick_s: float = 0.0, admission_latency_s: float = 0.0,
+                 chunk_spacing_ticks: int = 1, send_threads: int = 1,
                  downstream_behind_s: Callable[[], float] | None = None, admit_by_sends: bool = False):
         """`evict_after_s`: see ConversationTable (conversations.py). `idle_timeout_s`: a conversation with
         nothing pending for this long is closed (conversations can end without saying so: a
         client that vanishes, a sequence that Triton times out). `faults`: see core/fault_injection.py.
-        `gather`, `gather_max_s`, `admission_tick_s`, `chunk_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
+        `gather`, `gather_max_s`, `admission_tick_s`, `admission_latency_s`, `chunk_spacing_ticks`: the scheduler's (scheduler.py). `send_threads`: the outbox's lanes, each sending its own conversations'
         answers (outbox.py). `downstream_behind_s`: how far behind the sends of a later stage
         that these conversations' answers go through are (code2wav's: its `sends_behind_s` in one
         stub, serving/sends_gauge.py's reader in two),
@@ -71,10 +72,11 @@ class SlotEngine:
         self._cond = threading.Condition()
         self._table = ConversationTable(stage.num_slots, evict_after_s)  # under self._cond
         self.scheduler = Scheduler(self._table, gather, gather_max_s, admission_tick_s,  # under self._cond
-                                   chunk_spacing_ticks)
+                                   chunk_spacing_ticks, admission_latency_s)
         self._admitting = True
         self.metrics.alive(True)  # from the start: the stage's load (warm personas) may have taken long
-        sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults)
+        sender = AnswerSender(name, self._cond, self._fail, self.metrics, self.trace, faults,
+                             on_answered=self.scheduler.answered)
         self._downstream_behind_s = downstream_behind_s or (lambda: 0.0)
         self._admit_by_sends = admit_by_sends
         self._outbox = outbox = Outbox(name, sender.deliver, lambda exc: self._stop_all(

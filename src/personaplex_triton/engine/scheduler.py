@@ -34,6 +34,7 @@ late, and one more conversation only adds to them.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -49,6 +50,10 @@ MEMORY_FULL_S = 30.0    # after a tick ran out of GPU memory, newcomers are refu
 # frames' worth: well above what the oldest answer waits while the sends keep up, well below the
 # seconds it waits once they cannot (docs/decisions.md).
 SENDS_BEHIND_LIMIT_S = 0.25
+# The live conversations' answers over the last LATENCY_WINDOW_S, from which a newcomer is
+# refused while they come late (`admission_latency_s`); fewer than LATENCY_MIN_FRAMES: no verdict.
+LATENCY_WINDOW_S = 2.0
+LATENCY_MIN_FRAMES = 50
 
 
 @dataclass(frozen=True)
@@ -100,24 +105,56 @@ class TickModel:
         return fixed / (1 - load)
 
 
+class RecentLatencies:
+    """The latencies (from when a frame could be answered to its answer's send: answers.py) of
+    the frames answered over the last LATENCY_WINDOW_S: what the host, not only the GPU, made of
+    the live conversations.
+    Answers are noted from the outbox's threads, read from the request threads."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._answered: deque[tuple[float, float]] = deque()
+
+    def note(self, latency_s: float) -> None:
+        with self._lock:
+            self._answered.append((self._clock(), latency_s))
+
+    def p99(self) -> float | None:
+        """The 99th percentile over the window; None with fewer than LATENCY_MIN_FRAMES."""
+        with self._lock:
+            since = self._clock() - LATENCY_WINDOW_S
+            while self._answered and self._answered[0][0] < since:
+                self._answered.popleft()
+            latencies = sorted(latency for _, latency in self._answered)
+        if len(latencies) < LATENCY_MIN_FRAMES:
+            return None
+        return latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+
+
 class Scheduler:
     def __init__(self, table: ConversationTable, gather: Callable[[Any], tuple[int, int] | None] | None = None,
                  gather_max_s: float = 0.0, admission_tick_s: float = 0.0, chunk_spacing_ticks: int = 1,
-                 clock=time.time):
+                 admission_latency_s: float = 0.0, clock=time.time, latency_clock=time.monotonic):
         """`gather`, `gather_max_s`: how a tick gathers frames (the module docstring; None: it
         starts as soon as one waits). `admission_tick_s`: a new conversation is refused
         when the tick model says the live ones and it would settle at ticks longer than this
         (a frame waits up to one tick and is answered at the end of the next: about two
         ticks); 0: no admission by time. `chunk_spacing_ticks`: the ticks
         between two chunks of a prefill while live frames wait (the module docstring; 1: as the
-        loop runs, a chunk a pass). `clock`: the wall clock, which the queue's items are stamped
-        with (for the frame trace)."""
+        loop runs, a chunk a pass). `admission_latency_s`: a new conversation is refused while the
+        live ones' answers over the last LATENCY_WINDOW_S have a p99 over this (what the tick model
+        does not see: a slow or noisy host's sends and request threads); 0: not. `clock`: the
+        wall clock, which the queue's items are stamped with (for the frame trace);
+        `latency_clock`: the answers' (`answered`)."""
         if chunk_spacing_ticks < 1:
             raise ValueError(f"the ticks between a prefill's chunks must be at least 1, got {chunk_spacing_ticks}")
         self._table = table
         self.gather = gather
         self.gather_max_s = gather_max_s
         self.admission_tick_s = admission_tick_s
+        self.admission_latency_s = admission_latency_s
+        self.latencies = RecentLatencies(latency_clock)
         self.chunk_spacing_ticks = chunk_spacing_ticks
         self._ticks_since_chunk = chunk_spacing_ticks
         self._clock = clock
@@ -166,6 +203,10 @@ class Scheduler:
         """A tick stepped `frames` frames in `seconds`."""
         self.model.add(frames, seconds)
 
+    def answered(self, latency_s: float) -> None:
+        """A frame was answered `latency_s` after it arrived (from any thread)."""
+        self.latencies.note(latency_s)
+
     def out_of_memory(self) -> None:
         """A tick ran out of GPU memory: newcomers are refused for MEMORY_FULL_S."""
         self._memory_full_at = self._clock()
@@ -179,6 +220,12 @@ class Scheduler:
         if sends_behind_s > SENDS_BEHIND_LIMIT_S:
             return (f"at capacity: the answers leave {sends_behind_s:.2f} s after their ticks (the limit is "
                     f"{SENDS_BEHIND_LIMIT_S:.2f} s): the server cannot send them in real time; try again later")
+        if self.admission_latency_s > 0 and live:
+            p99 = self.latencies.p99()
+            if p99 is not None and p99 > self.admission_latency_s:
+                return (f"at capacity: the {live} live conversations' frames are answered in up to {p99 * 1e3:.0f} ms "
+                        f"(p99 of the last {LATENCY_WINDOW_S:.0f} s; the limit is {self.admission_latency_s * 1e3:.0f} "
+                        "ms): this host cannot take one more in real time; try again later")
         if self.admission_tick_s <= 0:
             return None
         tick = self.model.steady_tick_s(live + 1)

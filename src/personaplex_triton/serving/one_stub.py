@@ -31,8 +31,7 @@ class OneEngineMetrics(Metrics):
     """The one engine's metrics are the talker's. Those true of code2wav too are its as well, as
     dashboards and the health check (health.py) read each model's: the conversations (each holds
     a decoder stream), the frames answered (each was decoded), the heartbeat and the sends'
-    backlog. Its ticks are the talker's alone: code2wav has none of its own. What the stage took
-    at load (`loaded`) is the talker's here; OneStubService gives code2wav's metrics its own."""
+    backlog. Its ticks are the talker's alone: code2wav has none of its own."""
 
     def __init__(self, talker: Metrics, code2wav: Metrics):
         self.talker, self.code2wav = talker, code2wav
@@ -80,8 +79,7 @@ class OneStubService(TalkerService):
                  code2wav_metrics: Metrics | None = None):
         code2wav_metrics = code2wav_metrics or Metrics()
         super().__init__(config, metrics=OneEngineMetrics(talker_metrics or Metrics(), code2wav_metrics))
-        code2wav = self.code2wav_info
-        code2wav_metrics.loaded(code2wav.slots, self.config.send_threads, "decoder", code2wav.mimi_runtime)
+        code2wav_metrics.loaded(self.code2wav_info.slots, self.engine.send_threads, "decoder", self.code2wav_info.mimi_runtime)
 
     def _open_stage(self, config: SpeechConfig):
         stage, (info, self.code2wav_info) = open_stage("speech", build_one_tick, config, self.metrics)

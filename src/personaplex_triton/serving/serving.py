@@ -144,10 +144,11 @@ class TalkerService:
                                  idle_timeout_s=config.idle_timeout_s, metrics=self.metrics,
                                  faults=FaultPlan.from_env(),
                                  admission_tick_s=tunables.GPU_ADMISSION_TICK_S if config.on_gpu else 0.0,
+                                 admission_latency_s=tunables.GPU_ADMISSION_LATENCY_S if config.on_gpu else 0.0,
                                  admit_by_sends=config.on_gpu, chunk_spacing_ticks=config.prefill_chunk_spacing,
                                  send_threads=config.send_threads, downstream_behind_s=downstream_behind_s)
-        self.metrics.loaded(self.info.slots, config.send_threads, "encoder", self.info.mimi_runtime,
-                            self.info.warmed, self.info.kv_dtype)
+        self.metrics.loaded(self.info.slots, self.engine.send_threads, "encoder", self.info.mimi_runtime, self.info.warmed,
+                            self.info.kv_dtype)
 
     def handle(self, conversation: int, start: bool, end: bool, arrays: dict, send: Send, finish: Finish,
                is_cancelled: IsCancelled | None = None) -> None:
@@ -255,7 +256,7 @@ class Code2WavService:
         self.engine = SlotEngine(self.code2wav, name="code2wav", evict_after_s=0.0,
                                  idle_timeout_s=config.idle_timeout_s, metrics=self.metrics, gather=tick_group,
                                  gather_max_s=tunables.CODE2WAV_GATHER_MAX_S, send_threads=config.send_threads)
-        self.metrics.loaded(self.info.slots, config.send_threads, "decoder", self.info.mimi_runtime)
+        self.metrics.loaded(self.info.slots, self.engine.send_threads, "decoder", self.info.mimi_runtime)
 
     def handle(self, arrays: dict, send: Send, finish: Finish) -> None:
         try:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from ..core.errors import StepNotRepeatable
-from ..engine.stage import Stage
 from ..engine.prefills import PrefillJob
+from ..engine.stage import Stage
 from .code2wav import Code2Wav, CodesFrame
 from .talker import AgentStep, Talker, TalkerSetup
 

@@ -11,15 +11,16 @@
 # and the project's files gathered in a stage of their own.
 ARG BASE_IMAGE=personaplex-bookworm:latest
 
-# The project's files alone (no base: its layers hold only them).
+# The project's files alone, where the image has them (no base: its layers hold only them); the
+# .pth puts its packages on the venv's path, the Python backend's stubs' included.
 FROM scratch AS source
-COPY pyproject.toml README.md /app/
-COPY src /app/src
-COPY client /app/client
-COPY export /app/export
-COPY model_repository /app/model_repository
-COPY model_repository_one_stub /app/model_repository_one_stub
-COPY deploy/serve.sh /app/deploy/serve.sh
+COPY src /opt/personaplex-triton/src
+COPY client /opt/personaplex-triton/client
+COPY export /opt/personaplex-triton/export
+COPY model_repository /opt/personaplex-triton/model_repository
+COPY model_repository_one_stub /opt/personaplex-triton/model_repository_one_stub
+COPY deploy/serve.sh /opt/personaplex-triton/deploy/serve.sh
+COPY deploy/personaplex-triton.pth /opt/venv/lib/python3.11/site-packages/
 
 # The dependencies in a venv, from the wheels only: pyproject.toml's pins with the export extra
 # (the export service's ONNX) and the gateway extra, then moshi without its torch<2.10 pin.
@@ -37,10 +38,9 @@ print('\n'.join(p['dependencies'] + extras['export'] + extras['gateway']))" > /w
 FROM ${BASE_IMAGE}
 # The venv's python first on PATH: the Python backend's stub runs `python3` from there.
 ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    PYTHONPATH=/opt/personaplex-triton/src:/opt/personaplex-triton/client \
     NO_TORCH_COMPILE=1 \
     PERSONAPLEX_EXPORT_DIR=/artefacts/mimi \
     PERSONAPLEX_GPUS=none
 CMD ["/opt/personaplex-triton/deploy/serve.sh"]
 COPY --from=venv /opt/venv /opt/venv
-COPY --from=source /app /opt/personaplex-triton
+COPY --from=source /opt /opt

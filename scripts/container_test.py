@@ -55,8 +55,8 @@ DROPPED = ("var/cache/apt", "var/lib/apt/lists", "usr/share/doc", "usr/share/man
            "usr/share/info")
 # What deploy/cpu.Dockerfile copies from the repository (besides the wheels, which follow from
 # pyproject.toml's pins); a change to any of them makes a new image.
-IMAGE_INPUTS = ("deploy/cpu.Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "src", "client", "export",
-                "model_repository", "model_repository_one_stub", "deploy/serve.sh")
+IMAGE_INPUTS = ("deploy/cpu.Dockerfile", ".dockerignore", "pyproject.toml", "src", "client", "export",
+                "model_repository", "model_repository_one_stub", "deploy/serve.sh", "deploy/personaplex-triton.pth")
 MOSHI = "moshi==0.2.13"  # installed without its torch<2.10 pin, as the Makefile does
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: the wire contract's frame
 SAMPLE_RATE = 24000

@@ -62,8 +62,11 @@ FRAME_SAMPLES = 1920  # 80 ms at 24 kHz: the wire contract's frame
 SAMPLE_RATE = 24000
 
 
+STARTED = time.monotonic()
+
+
 def log(message: str) -> None:
-    print(f"container-test: {message}", file=sys.stderr, flush=True)
+    print(f"container-test [{time.monotonic() - STARTED:4.0f} s]: {message}", file=sys.stderr, flush=True)
 
 
 def run(argv: list[str], env: dict | None = None, check: bool = True, capture: bool = False,
@@ -378,11 +381,14 @@ def check_admin_apis(http_port: int, grpc_port: int, admin_key: str) -> None:
 def deployment(env: dict, image: str, base: str, ports: list[int], out_dir: Path) -> dict:
     http_port, grpc_port, metrics_port, gateway_port = ports
     admin_key = secrets.token_hex(16)
-    env = {**env, "PERSONAPLEX_ADMIN_KEY": admin_key, "PERSONAPLEX_CPU_IMAGE": image, "PERSONAPLEX_BASE_IMAGE": base,
+    # COMPOSE_HTTP_TIMEOUT: on vfs, removing a container deletes a whole copy of the image, which
+    # took docker-compose 1.29's engine calls past their 60 s on the loaded machine.
+    env = {**env, "COMPOSE_HTTP_TIMEOUT": "600", "PERSONAPLEX_ADMIN_KEY": admin_key, "PERSONAPLEX_CPU_IMAGE": image, "PERSONAPLEX_BASE_IMAGE": base,
            "PERSONAPLEX_CHECKPOINT_DIR": str(CHECKPOINT), "TRITON_HTTP_PORT": str(http_port),
            "TRITON_GRPC_PORT": str(grpc_port), "TRITON_METRICS_PORT": str(metrics_port),
            "GATEWAY_PORT": str(gateway_port)}
     compose = compose_command(env) + ["-p", PROJECT, "-f", COMPOSE_FILE]
+    run(compose + ["down", "--volumes"], env=env, capture=True)  # what an interrupted run left
     busy = [p for p in ports if port_answers(p)]
     if busy:
         raise RuntimeError(f"ports {busy} are taken: pick others with --ports")

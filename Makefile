@@ -6,7 +6,7 @@ CHECKPOINT := checkpoints/tiny
 export NO_TORCH_COMPILE := 1
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: all venv checkpoint export demo serve test bench soak bench-deps deploy-deps browser-deps configs gpu-bundle gateway web clean
+.PHONY: all venv checkpoint export demo serve test bench soak bench-deps deploy-deps browser-deps configs gpu-bundle gateway web container-image container-test container-deps clean
 
 all: test
 
@@ -95,6 +95,23 @@ browser-deps:
 configs: venv
 	$(PY) -m personaplex_triton.serving.model_configs
 	$(PY) -m personaplex_triton.serving.model_configs --one-stub
+
+# The CPU image (deploy/cpu.Dockerfile) on a Debian bookworm base made here (debootstrap, docker
+# import: no registry needed), tagged personaplex-bookworm:latest and personaplex-triton-cpu:latest;
+# rebuilt only when its inputs change. Uses the engine that answers, else starts Debian's dockerd.
+container-image: venv container-deps
+	$(PY) scripts/container_test.py --image-only
+
+# docker-compose.cpu.yml run for real (scripts/container_test.py -h): the image as above, compose up,
+# a conversation through the gRPC client and one through the gateway, metrics, the admin APIs refused
+# without the key, compose down. Ports 18000-18002 and 18080 (CONTAINER_TEST_ARGS="--ports ...").
+container-test: checkpoint container-deps
+	$(PY) scripts/container_test.py $(CONTAINER_TEST_ARGS)
+
+# Debian's engine, compose 1.29 and debootstrap; installed once, through sudo unless root.
+container-deps:
+	dpkg -s docker.io docker-compose debootstrap >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose debootstrap; }
 
 clean:
 	rm -rf out .pytest_cache

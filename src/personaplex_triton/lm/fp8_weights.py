@@ -78,8 +78,8 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         inside = cols < dim
         x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), min_amax), fp8_max)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), min_amax), fp8_max)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -fp8_max), fp8_max)
         tl.store(q_ptr + row * dim + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
         tl.store(scale_ptr + row, scale)
 

@@ -164,15 +164,26 @@ def test_moshis_streaming_depformer_takes_fp8_projections(quantized):
     assert out.shape == (2, 1, lm.depformer.layers[0].self_attn.embed_dim) and torch.isfinite(out).all()
 
 
-def test_planned_weight_bytes_are_the_loaded_ones(quantized):
-    """What the budget check counts before loading (a meta model) is what the quantized LM holds."""
+def test_the_planned_lm_holds_the_loaded_ones_bytes(quantized):
+    """What the budget check counts before loading (a meta model) is what the quantized LM
+    holds, in bf16 activations."""
     lm = quantized[0]
     kwargs = {**loaders.PERSONAPLEX_LM_KWARGS, **loaders.TINY_LM_SIZE}
-    fp8 = fp8_weights.planned_weight_bytes(kwargs, FP8)
-    bf16 = fp8_weights.planned_weight_bytes(kwargs, torch.bfloat16)
+    fp8 = fp8_weights.planned_lm(kwargs, FP8)
     scales = {id(m.scale) for m in lm.modules() if isinstance(m, Fp8Linear)}
     as_bf16 = sum(p.numel() * (1 if p.dtype == FP8 else 4 if id(p) in scales else 2) for p in lm.parameters())
-    assert fp8 == as_bf16 and bf16 > fp8
+    assert fp8_weights.weight_bytes(fp8) == as_bf16
+    assert fp8_weights.weight_bytes(fp8_weights.planned_lm(kwargs, torch.bfloat16)) > as_bf16
+    assert kv_cache.bytes_per_conversation(fp8.transformer, FP8) == kv_cache.bytes_per_conversation(lm.transformer, FP8)
+
+
+def test_a_checkpoint_loads_with_fp8_weights(files):
+    """load_lm: the checkpoint read in bf16 on the CPU and quantized onto the device (the CPU
+    here); an fp32 model with fp8 weights is refused."""
+    lm = fp8_weights.load_lm(files, "cpu", FP8)
+    assert type(lm.transformer.layers[0].gating.linear_in) is Fp8Linear and lm.text_emb.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="fp8 weights run in a bfloat16 model"):
+        fp8_weights.load_lm(files, "cpu", FP8, torch.float32)
 
 
 def test_memory_budget_parameter():

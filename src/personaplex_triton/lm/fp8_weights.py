@@ -185,15 +185,16 @@ def weight_bytes(lm) -> int:
     return sum(p.numel() * p.element_size() for p in lm.parameters())
 
 
-def planned_weight_bytes(lm_kwargs: dict, weight_dtype: torch.dtype) -> int:
-    """What `lm`'s weights will take on the GPU, before loading any: moshi's LMModel of
-    `lm_kwargs` built on the meta device (no memory), quantized there for fp8."""
+def planned_lm(lm_kwargs: dict, weight_dtype: torch.dtype):
+    """moshi's LMModel of `lm_kwargs` on the meta device (no memory), quantized there for fp8:
+    what the weights (`weight_bytes`) and a conversation's KV cache
+    (kv_cache.bytes_per_conversation of its transformer) will take, before loading any."""
     from moshi.models.lm import LMModel
 
     lm = LMModel(device="meta", dtype=torch.bfloat16, **lm_kwargs)
     if weight_dtype == FP8:
         quantize_linears(lm)
-    return weight_bytes(lm)
+    return lm
 
 
 def load_lm(files, device: str, weight_dtype: torch.dtype, dtype: torch.dtype | None = None):
@@ -204,6 +205,8 @@ def load_lm(files, device: str, weight_dtype: torch.dtype, dtype: torch.dtype | 
 
     if weight_dtype != FP8:
         return loaders.get_lm(files, device, dtype)
+    if dtype not in (None, torch.bfloat16):
+        raise ValueError(f"fp8 weights run in a bfloat16 model; dtype {dtype} was asked for")
     lm = loaders.get_lm(files, "cpu", torch.bfloat16)
     quantize_linears(lm, device)
     lm.to(device)

@@ -22,7 +22,7 @@
 #                                    # each (240: contexts reach 3,000 frames; 300: past the limit), a new
 #                                    # persona every 30 s (ARG: more bench.run options, e.g. --out DIR)
 #   scripts/gpu_host.sh engine [DIR] # there, no server up (packages and a tokenizer suffice): the
-#                                    # in-process step table (bf16/fp8 KV, 1-128) and moshi's anchor
+#                                    # in-process step table (bf16/fp8 weights x bf16/fp8 KV, 1-128) and moshi's anchor
 #   scripts/gpu_host.sh profile STAGE SECONDS DIR  # there, against it (the tools part): py-spy of STAGE's stub
 #                                    # (talker or code2wav) for SECONDS, every thread and the GIL's holder at once,
 #                                    # raw collapsed stacks as DIR/STAGE-pyspy.tar.xz
@@ -235,8 +235,8 @@ engine() {  # issue 10's table: the talker tick beside moshi's LMGen, in one ses
     environment
     local out=${1:-bench/results} tokenizer
     tokenizer=$(find "$CHECKPOINT" checkpoints/tiny -maxdepth 1 -name 'tokenizer*.model' 2>/dev/null | head -1 || true)
-    python bench/gpu_step.py --tokenizer "$tokenizer" --slots 1 8 32 64 128 --fill 3000 \
-        --kv-dtype bfloat16 float8_e4m3fn --agreement-frames 200 --out "$out"
+    python bench/gpu_step.py --tokenizer "$tokenizer" --slots 1 16 64 128 --fill 3000 \
+        --kv-dtype bfloat16 float8_e4m3fn --weight-dtype bfloat16 float8_e4m3fn --agreement-frames 200 --out "$out"
     python -m bench.moshi_anchor --batch 1 8 32 64 --out "$out/moshi_anchor.json"
     python bench/gpu_step.py --from-json "$out/gpu_step.json" --anchor "$out/moshi_anchor.json" --out "$out"
 }

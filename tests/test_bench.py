@@ -486,8 +486,66 @@ def test_gpu_step_kv_dtype_option_and_table(tmp_path):
     table = (tmp_path / "gpu_step.md").read_text()
     assert "| 3000 | 1 | 20.0 | 19.0 | 0.95 | 100.0 / 100.0 |" in table
     assert "| 3000 | 128 | - | 50.0 | - | - / 100.0 |" in table
-    assert "| float8_e4m3fn | 0.75 | 0.75 | 120.0 | 160 | 155 |" in table
+    assert "| float8_e4m3fn | - | 0.75 | 0.75 | 120.0 | 160 | 155 | - | - | - | - | - |" in table  # no budgets then
     assert "fp8 KV cache against a bf16 one" in table
+
+
+def test_gpu_step_weight_dtypes_give_fp8_over_bf16_columns_and_budgets(tmp_path):
+    """--weight-dtype takes both (bf16 always first: the LM is quantized in place after it);
+    the table sets each fp8-weight run beside its bf16 twin of the same KV dtype, and the
+    memory table gives the conversations each budget holds."""
+    from bench import gpu_step
+
+    args = gpu_step.parse_args(["--tokenizer", "t.model", "--weight-dtype", "float8_e4m3fn", "bfloat16"])
+    assert args.weight_dtype == ["bfloat16", "float8_e4m3fn"] and args.slots == [1, 16, 64, 128]
+    with pytest.raises(SystemExit):
+        gpu_step.parse_args(["--tokenizer", "t.model", "--weight-dtype", "int8"])
+
+    def row(weights, kv, slots, ms):
+        return {"attention": "ring", "weight_dtype": weights, "kv_dtype": kv, "context_frames": 3000,
+                "slots": slots, "new_persona_start_ms": 100.0, "talker_tick_ms": ms, "peak_gib": ms and 50.0}
+    rows = [row(w, kv, slots, ms) for w, kv, slots, ms in (
+        ("bfloat16", "bfloat16", 1, 20.0), ("float8_e4m3fn", "bfloat16", 1, 15.0),
+        ("bfloat16", "float8_e4m3fn", 1, 19.0), ("float8_e4m3fn", "float8_e4m3fn", 1, 14.25),
+        ("bfloat16", "bfloat16", 128, None), ("float8_e4m3fn", "bfloat16", 128, None),
+        ("bfloat16", "float8_e4m3fn", 128, 50.0), ("float8_e4m3fn", "float8_e4m3fn", 128, 40.0))]
+    fits = {str(gib): n for gib, n in zip(gpu_step.BUDGETS_GIB, (0, 2, 34, 77, 160))}
+    memory = {"float8_e4m3fn weights, float8_e4m3fn KV": {
+        "weight_bytes": 15 << 29, "kv_bytes_per_conversation": 3 << 28, "bytes_per_conversation": 3 << 28,
+        "fit_per_budget": fits, "free_gib_after_weights": 70.0, "conversations_that_fit": 93,
+        "max_conversations_auto": 74}}
+    result = {"date": "2026-12-07", "gpu": "GPU", "torch": "2", "lm_parameters": 8e9, "cuda_graphs": True,
+              "steps": 20, "rows": rows, "code2wav": [], "memory": memory,
+              "weight_agreement": {"frames": 200, "tokens_equal_pct": 90.0, "steps_with_a_difference": 80,
+                                   "first_differing_steps": [0]}}
+    gpu_step.write_report(result, tmp_path, "gpu_step")
+    table = (tmp_path / "gpu_step.md").read_text()
+    assert "| float8_e4m3fn weights, bfloat16 KV / bfloat16 weights, bfloat16 KV |" in table
+    assert "| 3000 | 1 | 20.0 | 19.0 | 15.0 | 14.25 | 0.75 | 0.75 |" in table
+    assert "| 3000 | 128 | - | 50.0 | - | 40.0 | - | 0.80 |" in table
+    assert "| float8_e4m3fn weights, float8_e4m3fn KV | 7.50 | 0.75 | 0.75 | 70.0 | 93 | 74 | 0 | 2 | 34 | 77 | 160 |" \
+        in table
+    assert "fp8 weights (fp8_weights.py) against the bf16 ones" in table
+
+
+def test_gpu_step_runs_on_a_cpu_at_the_tiny_widths(tiny_checkpoint, tmp_path):
+    """A smoke test of the whole script where no GPU is: the tiny LM in bf16 and quantized to
+    fp8 (emulated), one conversation, its tick, the agreements and the memory plan."""
+    import json
+
+    from bench import gpu_step
+
+    gpu_step.main(["--tokenizer", str(tiny_checkpoint / "tokenizer_spm_32k_3.model"), "--device", "cpu", "--tiny",
+                   "--slots", "1", "--attention", "moshi", "--steps", "1", "--agreement-frames", "2",
+                   "--weight-dtype", "bfloat16", "float8_e4m3fn", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_step.json").read_text())
+    ticks = {r["weight_dtype"]: r["talker_tick_ms"] for r in report["rows"]}
+    assert set(ticks) == {"bfloat16", "float8_e4m3fn"} and all(ms > 0 for ms in ticks.values())
+    assert report["weight_agreement"]["frames"] == 2 and report["batch_agreement"]["tokens_equal_pct"] == 100.0
+    memory = report["memory"]
+    assert memory["float8_e4m3fn weights, bfloat16 KV"]["weight_bytes"] < memory["bfloat16 weights, bfloat16 KV"][
+        "weight_bytes"]
+    assert (tmp_path / "gpu_step.md").is_file()
 
 
 def test_steal_is_the_share_of_cpu_time_the_hypervisor_took():

@@ -9,7 +9,7 @@ for the norm, the activation rounded to the model's dtype before its product, as
 ops round).
 
 `install` routes every RMSNorm and SiLU gating module of a model through these kernels; the
-linear layers stay moshi's (cuBLAS). Elsewhere (the CPU, no Triton) moshi's modules run, and
+linear layers stay moshi's (cuBLAS) or fp8_weights.py's. Elsewhere (the CPU, no Triton) moshi's modules run, and
 they are the reference in tests.
 """
 
@@ -21,6 +21,8 @@ import torch
 from moshi.modules.gating import ActivationGating
 from moshi.modules.transformer import RMSNorm
 from torch.nn import functional as F
+
+from .fp8_weights import Fp8Linear
 
 try:
     import triton
@@ -90,13 +92,16 @@ def _gating_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.linear_out(silu_gate(self.linear_in(x)))
 
 
+_LINEARS = (torch.nn.Linear, Fp8Linear)
+
+
 def _routed(model):
-    """The modules `install` routes: fp32 RMS norms and SiLU gatings with plain linear layers."""
+    """The modules `install` routes: fp32 RMS norms and SiLU gatings with plain or fp8 linear layers."""
     for module in model.modules():
         if isinstance(module, RMSNorm) and module.dtype == torch.float32:
             yield module, _norm_forward
         elif (isinstance(module, ActivationGating) and module.activation is F.silu
-              and type(module.linear_in) is torch.nn.Linear and type(module.linear_out) is torch.nn.Linear):
+              and type(module.linear_in) in _LINEARS and type(module.linear_out) in _LINEARS):
             yield module, _gating_forward
 
 

@@ -71,7 +71,7 @@ class SlotGenerator:
             ring_attention.uninstall(lm.transformer)
             fused_ops.uninstall(lm)
         self.kv_dtype = kv_dtype or next(lm.parameters()).dtype
-        kv_cache.store_in(lm.transformer, self.kv_dtype)
+        kv_cache.store_in(lm.transformer, self.kv_dtype, lm.text_emb.weight.dtype)
         self.graphs = StepGraphs(self._step, cuda_graphs and device.type == "cuda", self._no_embeddings)
         self._unembedded: dict[int, torch.Tensor] = {}
         self._streaming = lm.streaming(num_slots)

@@ -14,6 +14,7 @@ import functools
 import types
 
 import torch
+from torch import nn
 from moshi.modules.transformer import KVCacheResult, RingKVCache, _MHAState
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -78,15 +79,25 @@ class CastRingKVCache(RingKVCache):
         return KVCacheResult(keys.view(stored.dtype).to(k.dtype), values.view(stored.dtype).to(k.dtype), positions)
 
 
-def _init_state(self, batch_size: int, dtype: torch.dtype) -> _MHAState:
+def _init_state(self, batch_size: int, dtype: torch.dtype, model_dtype: torch.dtype) -> _MHAState:
     """moshi's `StreamingMultiheadAttention._init_streaming_state`, its cache in `dtype` from the
-    start: moshi's own allocates the whole pool's cache in the model's dtype first, and a large
-    pool's cache in bf16 does not fit in one GPU's memory."""
+    start (a `CastRingKVCache` where that is not the activations' `model_dtype`): moshi's own
+    allocates the whole pool's cache in its projection weight's dtype first (a large pool's
+    cache in bf16 does not fit in one GPU's memory), and with fp8 weights (fp8_weights.py) takes that
+    weight's dtype for the activations'."""
     weight = self.in_projs[0].weight
-    cache = CastRingKVCache(batch_size, self.num_heads // self.kv_repeat, self.embed_dim // self.num_heads,
-                            self.context, device=weight.device, dtype=dtype)
+    ring = RingKVCache if dtype == model_dtype else CastRingKVCache
+    cache = ring(batch_size, self.num_heads // self.kv_repeat, self.embed_dim // self.num_heads,
+                 self.context or self.weights_per_step, respect_exec_mask=not self.weights_per_step,
+                 device=weight.device, dtype=dtype)
     return _MHAState(batch_size, weight.device, cache,
                      offset=torch.zeros(batch_size, device=weight.device, dtype=torch.long), offset_cpu=0)
+
+
+def state_initializer(dtype: torch.dtype, model_dtype: torch.dtype | None = None):
+    """An attention's `_init_streaming_state` (to bind to it) whose KV cache holds `dtype`, for
+    activations of `model_dtype` (None: `dtype`)."""
+    return functools.partial(_init_state, dtype=dtype, model_dtype=model_dtype or dtype)
 
 
 class FilledRingKVCache(RingKVCache):
@@ -110,11 +121,13 @@ def read_filled(transformer) -> None:
             attention._streaming_state.kv_cache.__class__ = FilledRingKVCache
 
 
-def store_in(transformer, dtype: torch.dtype) -> None:
-    """The KV caches of `transformer`'s next `streaming()` hold `dtype` (the model's: moshi's own)."""
+def store_in(transformer, dtype: torch.dtype, model_dtype: torch.dtype | None = None) -> None:
+    """The KV caches of `transformer`'s next `streaming()` hold `dtype`, for activations of
+    `model_dtype` (None: the projections' weights', plain linear layers'). Plain linear layers
+    and a cache of the activations' dtype: moshi's own state."""
     for attention in self_attentions(transformer):
-        if dtype == attention.in_projs[0].weight.dtype:
+        activations = model_dtype or attention.in_projs[0].weight.dtype
+        if type(attention.in_projs[0]) is nn.Linear and dtype == activations:
             attention.__dict__.pop("_init_streaming_state", None)
         else:
-            attention._init_streaming_state = types.MethodType(functools.partial(_init_state, dtype=dtype), attention)
-
+            attention._init_streaming_state = types.MethodType(state_initializer(dtype, activations), attention)

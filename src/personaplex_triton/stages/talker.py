@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..core import loaders, tunables
+from ..core import loaders, memory_budget, tunables
 from ..core.buckets import bucket_for
 from ..core.errors import SlotFault
 from ..engine.stage import Stage
@@ -385,14 +385,17 @@ def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:
 
 
 def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
-                           decoder_in_process: bool = False) -> tuple[int, str]:
+                           decoder_in_process: bool = False, budget: int | None = None) -> tuple[int, str]:
     """How many conversations fit in the GPU's free memory (`conversation_bytes` each), and why;
     tunables.GPU_RESERVED_BYTES stay free for this process's other needs and one KV cache for the
     buffers of a prefill's graphed passes (prefill_graphs.py). Code2wav's largest tick (the two
     stages' memory, planned together): in a process of its own, GPU_DECODER_RESERVED_BYTES stay
     free for it; built first in this one (`decoder_in_process`, one tick), it already holds that
-    memory in this process's caching allocator, which the free memory does not count."""
-    free, _ = torch.cuda.mem_get_info(lm.device)
+    memory in this process's caching allocator, which the free memory does not count. `budget`:
+    the bytes the server may take of the card (core/memory_budget.py; None: all of it)."""
+    card_free, _ = torch.cuda.mem_get_info(lm.device)
+    free = card_free if budget is None else \
+        memory_budget.free_bytes(budget, card_free, torch.cuda.memory_reserved(lm.device))
     each = conversation_bytes(lm, encoder, kv_dtype)
     prefill = kv_cache.bytes_per_conversation(lm.transformer, kv_dtype)
     decoder = 0 if decoder_in_process else tunables.GPU_DECODER_RESERVED_BYTES
@@ -400,7 +403,9 @@ def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
     decoder_why = ("code2wav's largest tick held in this process" if decoder_in_process else
                    f"{decoder / 2**30:.0f} for code2wav's largest tick")
     return int(min(fit, tunables.GPU_DECODER_SLOTS)), (
-        f"auto: {free / 2**30:.1f} GiB free on the GPU, {each / 2**30:.2f} GiB per conversation "
+        f"auto: {free / 2**30:.1f} GiB free on the GPU"
+        f"{'' if budget is None else f' within a budget of {budget / 2**30:.1f} GiB'}, "
+        f"{each / 2**30:.2f} GiB per conversation "
         f"({lm.context}-frame {str(kv_dtype).removeprefix('torch.')} KV cache + Mimi state), "
         f"{tunables.GPU_RESERVED_BYTES / 2**30:.0f} GiB kept back, {decoder_why} "
         f"and {prefill / 2**30:.2f} for a prefill's graphed passes, "

@@ -71,8 +71,9 @@ def balanced(tiny_checkpoint, tmp_path_factory):
     if NGINX is None:
         pytest.skip("nginx is not installed (make deploy-deps installs Debian's)")
     repository = tmp_path_factory.mktemp("balanced-repository")
+    # No persona prefilled at load: PERSONA's role prompt makes it one that is not.
     model_configs.main(["--out", str(repository), "--set", "talker.max_conversations=8",
-                        "--set", "code2wav.max_conversations=8"])
+                        "--set", "code2wav.max_conversations=8", "--set", "talker.warm_personas="])
     env = {"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}
     with ExitStack() as stack:
         servers = []

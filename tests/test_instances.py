@@ -23,7 +23,8 @@ FRAMES = 8
 @pytest.fixture(scope="module")
 def two_instance_server(tiny_checkpoint, tmp_path_factory):
     repository = tmp_path_factory.mktemp("two-instances")
-    model_configs.main(["--out", str(repository), "--cpu-instances", "2"])
+    # Each instance prefills at load only the persona these conversations use.
+    model_configs.main(["--out", str(repository), "--cpu-instances", "2", "--set", "talker.warm_personas=NATF0"])
     log = repository / "tritonserver.log"
     with TritonServer(repository, env={"PERSONAPLEX_CHECKPOINT": str(tiny_checkpoint)}, log_path=log) as server:
         yield server

@@ -15,6 +15,8 @@ from personaplex_triton.lm import fp8_weights, kv_cache
 from personaplex_triton.lm.fp8_weights import FP8, Fp8Linear
 from personaplex_triton.lm.generation import SlotGenerator
 from personaplex_triton.lm.sampling import SamplingParams
+from personaplex_triton.serving import stage_builds
+from personaplex_triton.serving.parameters import TalkerConfig
 
 GIB = memory_budget.GIB
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
@@ -218,6 +220,33 @@ def test_free_memory_within_a_budget():
     assert memory_budget.free_bytes(80 * GIB, 60 * GIB, 9 * GIB) == 60 * GIB
     assert memory_budget.free_bytes(8 * GIB, 60 * GIB, 9 * GIB) == 0
     memory_budget.limit_process(None, "cuda")  # no budget: the allocator is left alone (no GPU needed)
+
+
+def test_the_talker_refuses_fp8_weights_on_a_cpu():
+    """Through the model's parameters, before anything loads."""
+    config = TalkerConfig.from_parameters({"weight_dtype": "float8_e4m3fn", "device": "cpu"}).resolved()
+    with pytest.raises(ValueError, match="weight_dtype float8_e4m3fn needs a CUDA GPU .*this instance runs on cpu"):
+        stage_builds.build_talker(config, emit=lambda *args: None)
+
+
+def test_the_talkers_budget_check_weighs_the_7b_before_loading(files):
+    """stage_builds.check_budget on the 7B's plan (a meta model, no GPU): bf16 weights (15.59 GiB)
+    exceed a 12 GiB budget, and the error says to try fp8 ones; fp8 weights (8.27 GiB) with fp8
+    KV hold one conversation in 24 GiB beside today's reserves and none in 16."""
+    from personaplex_triton.mimi.runtime import open_step
+
+    seven_b = loaders.CheckpointFiles(files.root, dict(loaders.PERSONAPLEX_LM_KWARGS))
+    encoder = open_step("encoder", files, "torch", "cpu")  # its state per conversation: the 7B's Mimi
+    config = TalkerConfig(device="cuda", kv_dtype="float8_e4m3fn", gpu_memory_gib=12.0)  # unresolved: no GPU
+    with pytest.raises(memory_budget.MemoryBudgetError,
+                       match=r"weights \(in bfloat16\) need 15.59 GiB, more than the budget gpu_memory_gib = 12.00 "
+                             r"GiB; try weight_dtype float8_e4m3fn$"):
+        stage_builds.check_budget(config, seven_b, torch.bfloat16, encoder, 12 * GIB, 0, False)
+    assert stage_builds.check_budget(config, seven_b, FP8, encoder, 24 * GIB, 0, False) == 1
+    with pytest.raises(memory_budget.MemoryBudgetError,
+                       match=r"= 16.00 GiB holds no conversation: the LM's weights \(float8_e4m3fn linears\) need "
+                             r"8.27 GiB, the plan keeps 14.73 GiB back beside the pool, and a conversation needs 0.74"):
+        stage_builds.check_budget(config, seven_b, FP8, encoder, 16 * GIB, 0, False)
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

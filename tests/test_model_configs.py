@@ -99,6 +99,13 @@ def test_a_models_parameters_are_read_once_into_its_typed_config():
     assert speech.code2wav() == Code2WavConfig(max_conversations=5, mimi_runtime="torch")
 
 
+def test_the_weight_dtype_and_the_memory_budget_parse():
+    assert (TalkerConfig().weight_dtype, TalkerConfig().gpu_memory_gib) == ("bfloat16", None)  # auto: the whole card
+    config = SpeechConfig.from_parameters({"weight_dtype": "Float8_E4M3FN", "gpu_memory_gib": "15.5"})
+    assert (config.weight_dtype, config.gpu_memory_gib) == ("float8_e4m3fn", 15.5)
+    assert TalkerConfig.from_parameters({"gpu_memory_gib": "auto"}).gpu_memory_gib is None
+
+
 def test_auto_choices_follow_the_device():
     on_cpu = Code2WavConfig(device="cpu").resolved()
     assert (on_cpu.stage_process, on_cpu.send_threads) == (False, 1)
@@ -114,6 +121,9 @@ def test_auto_choices_follow_the_device():
     ("talker", "send_threads", "1.5", "send_threads must be a whole number of at least 1"),
     ("talker", "kv_dtype", "fp8", 'kv_dtype must be "auto" or "bfloat16" or "float8_e4m3fn"'),
     ("speech", "idle_timeout_s", "0", "idle_timeout_s must be more than 0 seconds"),
+    ("talker", "weight_dtype", "fp8", 'weight_dtype must be "bfloat16" or "float8_e4m3fn"'),
+    ("speech", "gpu_memory_gib", "0", "gpu_memory_gib must be more than 0 GiB"),
+    ("talker", "gpu_memory_gib", "16GB", "gpu_memory_gib must be a number of GiB"),
     ("code2wav", "device", "gpu0", 'device must be "auto", "cpu", "cuda" or "cuda:N"'),
     ("speech", "one_tick", "false", "speech: no such parameter: one_tick"),
     ("talker", "code2wav_conversations", "4", "talker: no such parameter: code2wav_conversations"),

@@ -188,13 +188,13 @@ def weight_bytes(lm) -> int:
     return sum(p.numel() * p.element_size() for p in lm.parameters())
 
 
-def planned_lm(lm_kwargs: dict, weight_dtype: torch.dtype):
-    """moshi's LMModel of `lm_kwargs` on the meta device (no memory), quantized there for fp8:
-    what the weights (`weight_bytes`) and a conversation's KV cache
+def planned_lm(lm_kwargs: dict, weight_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16):
+    """moshi's LMModel of `lm_kwargs` in `dtype` on the meta device (no memory), quantized there
+    for fp8: what the weights (`weight_bytes`) and a conversation's KV cache
     (kv_cache.bytes_per_conversation of its transformer) will take, before loading any."""
     from moshi.models.lm import LMModel
 
-    lm = LMModel(device="meta", dtype=torch.bfloat16, **lm_kwargs)
+    lm = LMModel(device="meta", dtype=dtype, **lm_kwargs)
     if weight_dtype == FP8:
         quantize_linears(lm)
     return lm

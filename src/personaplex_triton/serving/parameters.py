@@ -40,14 +40,20 @@ def whole(least: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError("a number of seconds") from None
-    if not value > 0:
-        raise ValueError("more than 0 seconds")
-    return value
+def positive(unit: str) -> Callable[[str], float]:
+    """A number of `unit` (seconds, GiB), more than 0."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"a number of {unit}") from None
+        if not value > 0:
+            raise ValueError(f"more than 0 {unit}")
+        return value
+    return parse
+
+
+positive_seconds = positive("seconds")
 
 
 def one_of(*words: str) -> Callable[[str], str]:
@@ -186,6 +192,18 @@ class TalkerConfig(StageConfig):
         "What the temporal transformer's KV cache stores: auto (the LM's dtype), bfloat16, or float8_e4m3fn (GPU "
         "only: half the bytes a conversation holds and a step reads, so about twice the conversations fit; "
         "values past +-448 saturate).")
+    weight_dtype: str = parameter(
+        "bfloat16", one_of("bfloat16", "float8_e4m3fn"),
+        "The weights of the LM's linear layers (temporal transformer and depformer): bfloat16 (as loaded, in the "
+        "LM's dtype) or float8_e4m3fn (CUDA only, refused on a CPU: quantized per output channel at load, about "
+        "half the weights' memory and the same tick, so a smaller card or more conversations fit; embeddings, "
+        "norms and output heads stay as they are).")
+    gpu_memory_gib: float | None = parameter(
+        "auto", auto_or(positive("GiB")),
+        "What the server may take of its GPU, in GiB (both stages, code2wav's largest tick counted as planned): "
+        "the talker's pool is sized within it and its process may reserve no more; a start whose weights, the "
+        "memory the plan keeps back and one conversation exceed it is refused before loading, saying why. auto: "
+        "the whole card. Ignored on a CPU.")
     persona_cache_size: int = parameter("16", whole(0), "Personas (voice, role prompt) whose prefilled state is "
                                                         "kept: a repeat one starts at once.")
     warm_personas: tuple[str, ...] | None = parameter(

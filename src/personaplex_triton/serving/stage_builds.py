@@ -53,27 +53,31 @@ def pool_size(configured: int | None, device: str, cpu_default: int, on_gpu) -> 
 
 
 def build_talker(config: TalkerConfig, emit: Emit, code2wav_in_process: bool = False):
-    """The talker (stages/talker.Talker): the LM and Mimi's encoder on the config's device, its
-    pool, and the personas of `warm_personas` (None: every voice) prefilled into its cache, each
-    with an empty role prompt, so that their first conversation starts at once;
-    `code2wav_in_process`: code2wav was built first in this process (talker.conversations_that_fit)."""
+    """The talker (stages/talker.Talker): the LM (its linears of `weight_dtype`) and Mimi's
+    encoder on the config's device, its pool, and the personas of `warm_personas` (None: every
+    voice) prefilled into its cache, each with an empty role prompt, so that their first
+    conversation starts at once; `code2wav_in_process`: code2wav was built first in this process
+    (talker.conversations_that_fit). On a GPU the memory budget is checked and taken before the
+    LM loads (`take_budget`)."""
     import torch
 
-    from ..lm import kv_cache
+    from ..lm import fp8_weights, kv_cache
     from ..lm.sampling import SamplingParams
     from ..mimi.runtime import open_step
     from ..stages.persona import PersonaLibrary
     from ..stages.talker import Talker, TalkerSetup, conversations_that_fit
 
     device = config.device
+    weight_dtype = fp8_weights.resolve(config.weight_dtype, device)  # fp8 off CUDA: refused before any loading
     use_device_threads(device)
     files = loaders.resolve_checkpoint(config.checkpoint)
-    lm = loaders.get_lm(files, device, None if config.dtype == "auto" else getattr(torch, config.dtype))
-    kv = kv_cache.resolve(config.kv_dtype, device, next(lm.parameters()).dtype)
     mimi = open_step("encoder", files, config.mimi_runtime, device, threads=tunables.CPU_ENCODER_THREADS)
+    budget = take_budget(config, files, weight_dtype, mimi, code2wav_in_process) if config.on_gpu else None
+    lm = fp8_weights.load_lm(files, device, weight_dtype, None if config.dtype == "auto" else getattr(torch, config.dtype))
+    kv = kv_cache.resolve(config.kv_dtype, device, lm.text_emb.weight.dtype)
     tokenizer = loaders.get_tokenizer(files)
     slots, why = pool_size(config.max_conversations, device, tunables.CPU_TALKER_SLOTS,
-                           lambda: conversations_that_fit(lm, mimi, kv, code2wav_in_process))
+                           lambda: conversations_that_fit(lm, mimi, kv, code2wav_in_process, budget))
     talker = Talker(lm, mimi, tokenizer, slots, config.persona_cache_size, kv_dtype=kv)
     names = files.voice_names() if config.warm_personas is None else list(config.warm_personas)
     warmed = names[:talker.persona_cache.capacity]
@@ -83,6 +87,51 @@ def build_talker(config: TalkerConfig, emit: Emit, code2wav_in_process: bool = F
         talker.stop(0)
     talker.persona_cache.on_lookup = lambda hit: emit("persona_cache_lookup", hit)  # after warming: clients' only
     return talker, StageInfo(slots, why, mimi.describe(), mimi.runtime, warmed, str(kv).removeprefix("torch."))
+
+
+def take_budget(config: TalkerConfig, files, weight_dtype, encoder, code2wav_in_process: bool) -> int | None:
+    """On a GPU, before the LM loads: `gpu_memory_gib` (auto: the whole card) checked against the
+    talker's plan (`check_budget`, beside what this process holds already), then this process's
+    allocator capped at it. Returns the budget's bytes, None for auto (the pool's sizing then
+    counts the card's free memory)."""
+    import torch
+
+    from ..core import memory_budget
+
+    budget = memory_budget.budget_bytes(config.gpu_memory_gib)
+    card = torch.cuda.get_device_properties(config.device).total_memory
+    check_budget(config, files, weight_dtype, encoder, budget or card, torch.cuda.memory_reserved(config.device),
+                 code2wav_in_process)
+    memory_budget.limit_process(budget, config.device)
+    return budget
+
+
+def check_budget(config: TalkerConfig, files, weight_dtype, encoder, budget: int, held: int,
+                 code2wav_in_process: bool) -> int:
+    """The conversations `budget` bytes hold by the talker's plan, weighed before loading (a meta
+    LM, fp8_weights.planned_lm): the weights of `weight_dtype`, `held` (what this process's
+    allocator holds already, e.g. code2wav's largest tick in one tick), what the pool's sizing
+    keeps back (talker.kept_back_bytes) and each conversation (talker.conversation_bytes).
+    MemoryBudgetError where that is none, saying what each part needs (and, with bf16 weights,
+    to try fp8 ones)."""
+    import torch
+
+    from ..core import memory_budget
+    from ..lm import fp8_weights, kv_cache
+    from ..stages.talker import conversation_bytes, kept_back_bytes
+
+    dtype = torch.bfloat16 if config.dtype == "auto" else getattr(torch, config.dtype)  # auto on a GPU: bf16
+    planned = fp8_weights.planned_lm(files.lm_kwargs, weight_dtype, dtype)
+    kv = kv_cache.resolve(config.kv_dtype, config.device, dtype)
+    weights = "float8_e4m3fn linears" if weight_dtype == fp8_weights.FP8 else f"in {str(dtype).removeprefix('torch.')}"
+    try:
+        return memory_budget.check_plan(budget, fp8_weights.weight_bytes(planned),
+                                        held + kept_back_bytes(planned, kv, code2wav_in_process),
+                                        conversation_bytes(planned, encoder, kv), weights)
+    except memory_budget.MemoryBudgetError as exc:
+        auto = "" if config.gpu_memory_gib else " (gpu_memory_gib auto: the whole card)"
+        hint = "" if weight_dtype == fp8_weights.FP8 else "; try weight_dtype float8_e4m3fn"
+        raise memory_budget.MemoryBudgetError(f"{exc}{auto}{hint}") from None
 
 
 def build_code2wav(config: Code2WavConfig, emit: Emit):

@@ -384,6 +384,14 @@ def conversation_bytes(lm, encoder: StepRunner, kv_dtype: torch.dtype) -> int:
     return kv_cache.bytes_per_conversation(lm.transformer, kv_dtype) + mimi
 
 
+def kept_back_bytes(lm, kv_dtype: torch.dtype, decoder_in_process: bool = False) -> int:
+    """The GPU memory the pool's sizing leaves beside the pool (`conversations_that_fit` says
+    why each part): tunables.GPU_RESERVED_BYTES, a prefill's KV cache and, unless code2wav
+    already holds its largest tick in this process, GPU_DECODER_RESERVED_BYTES."""
+    decoder = 0 if decoder_in_process else tunables.GPU_DECODER_RESERVED_BYTES
+    return tunables.GPU_RESERVED_BYTES + decoder + kv_cache.bytes_per_conversation(lm.transformer, kv_dtype)
+
+
 def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
                            decoder_in_process: bool = False, budget: int | None = None) -> tuple[int, str]:
     """How many conversations fit in the GPU's free memory (`conversation_bytes` each), and why;
@@ -399,7 +407,7 @@ def conversations_that_fit(lm, encoder: StepRunner, kv_dtype: torch.dtype,
     each = conversation_bytes(lm, encoder, kv_dtype)
     prefill = kv_cache.bytes_per_conversation(lm.transformer, kv_dtype)
     decoder = 0 if decoder_in_process else tunables.GPU_DECODER_RESERVED_BYTES
-    fit = max(1, (free - tunables.GPU_RESERVED_BYTES - decoder - prefill) // each)
+    fit = max(1, (free - kept_back_bytes(lm, kv_dtype, decoder_in_process)) // each)
     decoder_why = ("code2wav's largest tick held in this process" if decoder_in_process else
                    f"{decoder / 2**30:.0f} for code2wav's largest tick")
     return int(min(fit, tunables.GPU_DECODER_SLOTS)), (

@@ -118,14 +118,18 @@ class RecentLatencies:
 
     def note(self, latency_s: float) -> None:
         with self._lock:
-            self._answered.append((self._clock(), latency_s))
+            now = self._clock()
+            self._answered.append((now, latency_s))
+            self._forget_before(now - LATENCY_WINDOW_S)
+
+    def _forget_before(self, since: float) -> None:
+        while self._answered and self._answered[0][0] < since:
+            self._answered.popleft()
 
     def p99(self) -> float | None:
         """The 99th percentile over the window; None with fewer than LATENCY_MIN_FRAMES."""
         with self._lock:
-            since = self._clock() - LATENCY_WINDOW_S
-            while self._answered and self._answered[0][0] < since:
-                self._answered.popleft()
+            self._forget_before(self._clock() - LATENCY_WINDOW_S)
             latencies = sorted(latency for _, latency in self._answered)
         if len(latencies) < LATENCY_MIN_FRAMES:
             return None
@@ -204,8 +208,9 @@ class Scheduler:
         self.model.add(frames, seconds)
 
     def answered(self, latency_s: float) -> None:
-        """A frame was answered `latency_s` after it arrived (from any thread)."""
-        self.latencies.note(latency_s)
+        """A frame was answered `latency_s` after it could be (from any thread)."""
+        if self.admission_latency_s > 0:
+            self.latencies.note(latency_s)
 
     def out_of_memory(self) -> None:
         """A tick ran out of GPU memory: newcomers are refused for MEMORY_FULL_S."""

@@ -157,8 +157,8 @@ def test_admission_refuses_while_the_live_conversations_answers_come_late():
     assert scheduler.admission_error(10) is None
     answers.now += LATENCY_WINDOW_S + 0.1
     scheduler.answered(0.03)
-    assert len(scheduler.latencies._answered) == 1  # what left the window is forgotten as answers come
+    assert len(scheduler.latencies) == 1  # what left the window is forgotten as answers come
     off = Scheduler(table_with(1), clock=clock, latency_clock=answers)
     for _ in range(LATENCY_MIN_FRAMES):
         off.answered(0.2)
-    assert off.admission_error(10) is None and not off.latencies._answered  # off by default (the CPU's): nothing kept
+    assert off.admission_error(10) is None and not len(off.latencies)  # off by default (the CPU's): nothing kept

@@ -122,6 +122,10 @@ class RecentLatencies:
             self._answered.append((now, latency_s))
             self._forget_before(now - LATENCY_WINDOW_S)
 
+    def __len__(self) -> int:
+        """The answers kept (those of the window, once the next answer or read has pruned it)."""
+        return len(self._answered)
+
     def _forget_before(self, since: float) -> None:
         while self._answered and self._answered[0][0] < since:
             self._answered.popleft()

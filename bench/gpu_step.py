@@ -173,7 +173,7 @@ def main(argv=None):
     from personaplex_triton.mimi.runtime import TorchStepRunner
     from personaplex_triton.stages.code2wav import Code2Wav, CodesFrame
     from personaplex_triton.stages.persona import VoicePrompt
-    from personaplex_triton.stages.talker import conversation_bytes, conversations_that_fit
+    from personaplex_triton.stages.talker import conversation_bytes, conversations_that_fit, kept_back_bytes
 
     args = parse_args(argv)
     if args.from_json:
@@ -228,8 +228,7 @@ def main(argv=None):
             each = conversation_bytes(lm, encoder, kv_dtype)
             entry = {"weight_bytes": weights, "kv_bytes_per_conversation":
                      kv_cache.bytes_per_conversation(lm.transformer, kv_dtype), "bytes_per_conversation": each,
-                     "fit_per_budget": fit_per_budget(weights, each, kv_cache.bytes_per_conversation(
-                         lm.transformer, kv_dtype))}
+                     "fit_per_budget": fit_per_budget(weights, each, kept_back_bytes(lm, kv_dtype))}
             if gpu:
                 free, _ = torch.cuda.mem_get_info()  # the weights loaded, no pool yet: as serving sizes its pool
                 auto, why = conversations_that_fit(lm, encoder, kv_dtype)
@@ -284,14 +283,12 @@ def quantized_twin(lm):
     return twin
 
 
-def fit_per_budget(weights: int, each: int, prefill: int) -> dict[str, int]:
-    """Conversations of `each` bytes that each budget of BUDGETS_GIB holds beside `weights` by
-    the server's plan (core/memory_budget.py): what it keeps back beside the pool
-    (tunables.GPU_RESERVED_BYTES, GPU_DECODER_RESERVED_BYTES and a prefill's KV cache); 0 where
-    the plan refuses to start."""
-    from personaplex_triton.core import memory_budget, tunables
+def fit_per_budget(weights: int, each: int, kept_back: int) -> dict[str, int]:
+    """Conversations of `each` bytes that each budget of BUDGETS_GIB holds beside `weights` and
+    what the server's plan keeps back beside the pool (`kept_back`: talker.kept_back_bytes, with
+    code2wav in a process of its own); 0 where the plan refuses to start."""
+    from personaplex_triton.core import memory_budget
 
-    kept_back = tunables.GPU_RESERVED_BYTES + tunables.GPU_DECODER_RESERVED_BYTES + prefill
     fits = {}
     for gib in BUDGETS_GIB:
         try:

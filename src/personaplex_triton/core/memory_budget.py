@@ -17,14 +17,10 @@ class MemoryBudgetError(RuntimeError):
     """The budget cannot hold the weights, or them and one conversation."""
 
 
-def budget_bytes(gpu_memory_gib: float | str | None) -> int | None:
-    """The parameter's bytes; None (the whole card) for "", "auto", 0 or None."""
-    if gpu_memory_gib in (None, "", "auto"):
-        return None
-    gib = float(gpu_memory_gib)
-    if gib < 0:
-        raise ValueError(f"gpu_memory_gib must be positive (or 0: the whole card); got {gpu_memory_gib!r}")
-    return int(gib * GIB) or None
+def budget_bytes(gpu_memory_gib: float | None) -> int | None:
+    """The parameter's bytes, as its config parsed it (serving/parameters.py: a positive number
+    of GiB, or None for auto: the whole card, no bound)."""
+    return None if gpu_memory_gib is None else int(gpu_memory_gib * GIB)
 
 
 def check_plan(budget: int | None, weights: int, kept_back: int, per_conversation: int, what: str) -> int:

@@ -639,7 +639,7 @@ def test_filled_ring_gives_moshis_tokens():
     (FilledRingKVCache). Greedy, fp32, a 24-frame context so the ring wraps, slots idling and
     joining late: the same tokens as moshi's attention over the whole ring (the reference)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(tunables.CPU_TORCH_THREADS)  # as served; two threads crawl on a busy 2-core host
+    torch.set_num_threads(tunables.TORCH_THREADS)  # as served; two threads crawl on a busy 2-core host
     try:
         lm = tiny_moshi_lm("cpu", torch.float32, context=24)
         filled, moshi = greedy_tokens(lm, ring=True), greedy_tokens(lm, ring=False)

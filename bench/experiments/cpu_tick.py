@@ -2,7 +2,7 @@
 
 One conversation of the default checkpoint (voice NATF0, the bench's role prompt, seeded
 sampling) on `Talker.tick`, the user's frames from samples/user.wav, on the CPU with PyTorch's intra-op threads
-as served (tunables.CPU_TORCH_THREADS). Each tick's thread CPU time, which the machine's other
+as served (tunables.TORCH_THREADS). Each tick's thread CPU time, which the machine's other
 users disturb less than wall time, split into the temporal transformer, the text head, the
 depformer (with its sampling) and the rest (token grid, embeddings, the tick's own work); the
 Mimi encode is not counted (it follows the answer). With `--base SRC`, a second tree's
@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)  # tunables.CPU_TORCH_THREADS, as serving.stage_builds.use_device_threads sets it
+    torch.set_num_threads(1)  # tunables.TORCH_THREADS, as serving.stage_builds.use_device_threads sets it
     clocks = {label: TickClock(package, args.checkpoint) for label, package in trees.packages(args.base).items()}
     speech = workload.frames(99)
     load = os.getloadavg()[0]

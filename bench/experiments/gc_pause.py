@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
-        torch.set_num_threads(tunables.CPU_TORCH_THREADS)  # as served (serving.stage_builds.use_device_threads)
+        torch.set_num_threads(tunables.TORCH_THREADS)  # as served (serving.stage_builds.use_device_threads)
     started = report.now()
     files = loaders.resolve_checkpoint(args.checkpoint)
     tokenizer = loaders.get_tokenizer(files)

@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)  # tunables.CPU_TORCH_THREADS, as serving.stage_builds.use_device_threads sets it
+    torch.set_num_threads(1)  # tunables.TORCH_THREADS, as serving.stage_builds.use_device_threads sets it
     starters = {label: Starter(package, args.checkpoint, args.device, args.together)
                 for label, package in trees.packages(args.base).items()}
     load = os.getloadavg()[0]

@@ -46,11 +46,13 @@ GPU_GIL_SWITCH_S = 0.0005
 # only the stub's threads share it.
 STAGE_PROCESS_SEND_THREADS = 4
 
-# Threads of a stage's process on a CPU. PyTorch's intra-op threads: 1. The LM's ops are small,
-# and an OpenMP team whose cores are shared (the other stage's process, Triton, anything else)
-# waits for its slowest thread at every op. ONNX Runtime's Mimi decoder takes every core the
+# PyTorch's intra-op threads of a stage's process: 1. On a CPU the LM's ops are small, and an
+# OpenMP team whose cores are shared (the other stage's process, Triton, anything else) waits for
+# its slowest thread at every op. On a GPU the process's own CPU ops are a tick's host copies, too
+# small to share out, and a team woken for one spins a while before it sleeps: cores taken from
+# the stub and tritonserver beside it. ONNX Runtime's Mimi decoder (CPU) takes every core the
 # process may run on (`os.sched_getaffinity`), its idle threads sleeping rather than spinning.
-CPU_TORCH_THREADS = 1
+TORCH_THREADS = 1
 # The talker's Mimi encoder on ONNX Runtime computes on its own low-priority thread (Talker's
 # encode_after), one core: it has a whole frame to finish, and it must not take the cores the
 # decoder and the next tick need at once.

@@ -29,17 +29,15 @@ class StageInfo:
 
 
 def use_device_threads(device: str) -> None:
-    """On a CPU, PyTorch's intra-op threads of this process (tunables.CPU_TORCH_THREADS: why).
-    On a GPU, how long a thread that wants the GIL waits for another to give it up
-    (tunables.GPU_GIL_SWITCH_S: why), and threads that wait for the GPU sleep instead of
-    spinning a core (core/gpu_waits.py)."""
+    """PyTorch's intra-op threads of this process (tunables.TORCH_THREADS: why). On a GPU also
+    how long a thread that wants the GIL waits for another to give it up (tunables.GPU_GIL_SWITCH_S:
+    why), and threads that wait for the GPU sleep instead of spinning a core (core/gpu_waits.py)."""
     import torch
 
+    torch.set_num_threads(tunables.TORCH_THREADS)
     if device.startswith("cuda"):
         sys.setswitchinterval(tunables.GPU_GIL_SWITCH_S)
         gpu_waits.sleep_while_gpu_works(device)
-    else:
-        torch.set_num_threads(tunables.CPU_TORCH_THREADS)
 
 
 def pool_size(configured: int | None, device: str, cpu_default: int, on_gpu) -> tuple[int, str]:

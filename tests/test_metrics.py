@@ -88,3 +88,20 @@ def test_counters_are_held_to_coalesce_but_a_gauge_is_taken_at_once():
     counts, gauges = updates.take(hold_s=5.0)
     assert counts == {("frames", ()): 1} and gauges == {("active", ()): 1}
     assert time.monotonic() - started < 2.0  # the gauge ended the hold
+
+
+def test_a_burst_of_counters_wakes_the_reporter_once():
+    """Counters and observations wake the reporter only when nothing was pending (the rest wait
+    out its hold); a gauge always does."""
+    updates, wakes = UpdateQueue(), []
+    notify = updates._cond.notify
+    updates._cond.notify = lambda *args: (wakes.append(1), notify(*args))
+    for _ in range(100):
+        updates.increment(("frames", ()))
+        updates.observe(("latency", ()), 0.01)
+    assert len(wakes) == 1
+    updates.set(("active", ()), 3)
+    assert len(wakes) == 2
+    updates.take()
+    updates.observe(("latency", ()), 0.01)
+    assert len(wakes) == 3  # the first after a take wakes it again

@@ -157,8 +157,8 @@ class UpdateQueue:
 
     def increment(self, key, value: float = 1) -> None:
         with self._cond:
+            self._wake_if_first()
             self._counts[key] = self._counts.get(key, 0) + value
-            self._cond.notify()
 
     def set(self, key, value: float) -> None:
         with self._cond:
@@ -167,7 +167,13 @@ class UpdateQueue:
 
     def observe(self, key, value: float) -> None:
         with self._cond:
+            self._wake_if_first()
             self._observed.setdefault(key, []).append(value)
+
+    def _wake_if_first(self) -> None:
+        """A counter or an observation wakes the reporter only when nothing was pending: later
+        ones wait out the hold anyway, and a wake-up a frame cost the serving threads the GIL."""
+        if not (self._counts or self._gauges or self._observed):
             self._cond.notify()
 
     def take(self, hold_s: float = 0.0):

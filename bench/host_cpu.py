@@ -9,6 +9,9 @@ at a level's start and end, and grouped by role from its command line:
     run_level()
     seconds = cpu_by_role(before, snapshot(server_pid))   # {"tritonserver": s, "stub talker": s, ...}
 
+`thread_snapshot` reads the same by thread ("stub talker: talker-outbox"), which `cpu_by_role`
+sums alike.
+
 Pinning: where the bench starts the server on this host, the server and the load generator
 take disjoint cores (pin_plan), so that neither's work is counted as the other's latency.
 """
@@ -87,6 +90,38 @@ def snapshot(root: int) -> dict[int, tuple[str, float]]:
         seconds = cpu_seconds(pid)
         if seconds is not None:
             found[pid] = (role(argv_of(pid)), seconds)
+    return found
+
+
+def _comm(path: Path) -> str | None:
+    try:
+        return (path / "comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def thread_snapshot(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """{(pid, tid): ("ROLE: THREAD", CPU seconds)} of every thread of `root`'s tree now. THREAD is
+    the name the OS shows for it: the project names its Python threads (core/thread_names.py),
+    tritonserver some of its own; a thread with the process's own name is "main" (the process's
+    first thread) or "unnamed" (native threads: PyTorch's, CUDA's, the Python backend's, ...)."""
+    found = {}
+    for pid in process_tree(root):
+        process = PROC / str(pid)
+        name, own = role(argv_of(pid)), _comm(process)
+        try:
+            tids = [int(t.name) for t in (process / "task").iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            task = process / "task" / str(tid)
+            comm = _comm(task)
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            thread = comm if comm != own else ("main" if tid == pid else "unnamed")
+            found[(pid, tid)] = (f"{name}: {thread}", (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
     return found
 
 

@@ -333,15 +333,25 @@ def add_client(row: dict, cpu_s: list[float], outcomes: list[Outcome], go: float
 LOAD_GENERATOR = "load generator"
 
 
-def add_host_share(row: dict, server_s: dict[str, float], cpu_s: list[float], whole: dict | None) -> None:
+THREAD_SHARE_MIN_MS = 0.005  # threads that cost a frame less are left out of the row
+
+
+def add_host_share(row: dict, server_s: dict[str, float], cpu_s: list[float], whole: dict | None,
+                   threads_s: dict[str, float] | None = None) -> None:
     """What each frame answered (aged ones too) cost the host over the level: the CPU ms of each
     server role (host_cpu.role; empty where the server is not on this host), their sum, and the
-    load generator's; and the host's steal % over the level (/proc/stat; None where not reported)."""
+    load generator's; the same by the server's threads (`threads_s`, host_cpu.thread_snapshot:
+    those over THREAD_SHARE_MIN_MS, the costliest first); and the host's steal % over the level
+    (/proc/stat; None where not reported)."""
     frames = row["client"]["frames_answered"]
     spent = {**server_s, LOAD_GENERATOR: sum(cpu_s)}
     per_frame = {name: round(1000 * s / frames, 3) if frames else None for name, s in spent.items()}
+    by_thread = sorted(((name, 1000 * s / frames) for name, s in (threads_s or {}).items() if frames),
+                       key=lambda item: -item[1])
     row["host_share"] = {"frames": frames, "cpu_s": {name: round(s, 2) for name, s in spent.items()},
                          "cpu_ms_per_frame": per_frame,
+                         "threads_ms_per_frame": {name: round(ms, 3) for name, ms in by_thread
+                                                  if ms >= THREAD_SHARE_MIN_MS},
                          "server_ms_per_frame": round(1000 * sum(server_s.values()) / frames, 3)
                          if frames and server_s else None,
                          "steal_pct": whole["steal_pct"] if whole else None}
@@ -554,6 +564,7 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
             + (f"; {len(talks) - n + 1} in turn on the last seat, every {persona_every_s:g} s" if len(talks) > n else ""))
         before = _gc_counters_or_none(metrics_url, log)
         server_before = host_cpu.snapshot(server_pid) if server_pid else {}
+        threads_before = host_cpu.thread_snapshot(server_pid) if server_pid else {}
         noisy = noise.during(host_cpu.process_tree(server_pid) if server_pid else [], frames * stats.FRAME_MS / 1000) \
             if noise else contextlib.nullcontext({})
         with gpu_telemetry.GpuTelemetry() as gpu, steal.CpuSampler() as host, noisy as freezers:
@@ -561,7 +572,8 @@ def sweep(url: str, frames: int, levels: list[int], log: Log, new_personas: bool
         row = load_row(n, outcomes, go, pool)
         add_client(row, cpu_s, outcomes, go)
         add_host_share(row, host_cpu.cpu_by_role(server_before, host_cpu.snapshot(server_pid)) if server_pid else {},
-                       cpu_s, host.whole)
+                       cpu_s, host.whole,
+                       host_cpu.cpu_by_role(threads_before, host_cpu.thread_snapshot(server_pid)) if server_pid else None)
         add_noise(row, freezers, outcomes, go)
         if before is not None and (after := _gc_counters_or_none(metrics_url, log)) is not None:
             add_collections(row, before, after)

@@ -315,6 +315,29 @@ def _host_share_table(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+THREAD_ROWS = 16  # the costliest threads the table shows (the JSON has every one over loadgen.THREAD_SHARE_MIN_MS)
+
+
+def _threads_table(rows: list[dict]) -> list[str]:
+    """The server's CPU a frame by thread at each level (loadgen.add_host_share), the threads
+    costliest at the largest level first."""
+    measured = [r for r in rows if r.get("host_share", {}).get("threads_ms_per_frame")]
+    if not measured:
+        return []
+    largest = measured[-1]["host_share"]["threads_ms_per_frame"]
+    names = sorted({name for r in measured for name in r["host_share"]["threads_ms_per_frame"]},
+                   key=lambda name: -largest.get(name, 0.0))[:THREAD_ROWS]
+    lines = ["By thread: CPU ms a frame of the server's costliest threads (from /proc/PID/task/TID/stat; the "
+             "project names its threads, core/thread_names.py; \"unnamed\" are native threads: PyTorch's, CUDA's, "
+             "the Python backend's).", "",
+             "| role: thread | " + " | ".join(f"{r['conversations']} conv." for r in measured) + " |",
+             "| --- |" + " ---: |" * len(measured)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(
+            cell(r["host_share"]["threads_ms_per_frame"].get(name)) for r in measured) + " |")
+    return lines + [""]
+
+
 def _noise_table(rows: list[dict]) -> list[str]:
     """The freezes each level ran (loadgen.add_noise) and the recovery after a single one."""
     noisy = [r for r in rows if r.get("noise")]
@@ -378,6 +401,7 @@ def _load_section(result: dict) -> list[str]:
     lines += _steal_lines(rows)
     lines += _client_table(rows)
     lines += _host_share_table(rows)
+    lines += _threads_table(rows)
     lines += _noise_table(rows)
     lines += _starts_table(rows)
     lines += _windows_table(rows)

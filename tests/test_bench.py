@@ -389,6 +389,8 @@ def test_bench_run_pins_its_own_server_counts_every_role_and_reports_the_recover
     assert set(share) == {"tritonserver", "stub talker", "stub code2wav", "stage talker", "stage code2wav",
                           loadgen.LOAD_GENERATOR}
     assert all(ms > 0 for ms in share.values()), share
+    threads = row["host_share"]["threads_ms_per_frame"]  # the ticks in the stage's process, the sends in the stub
+    assert "stage talker: main" in threads and any(name.startswith("stub talker: talker-outbox") for name in threads)
     noise = row["noise"]
     assert noise["freezes"] >= 2 and noise["frozen_ms"] >= 20 * noise["freezes"]
     once = noise["freeze_once"]
@@ -397,6 +399,7 @@ def test_bench_run_pins_its_own_server_counts_every_role_and_reports_the_recover
     text = saved.with_name(saved.name.removesuffix(report.LOAD_RESULT_SUFFIX) + ".md").read_text()
     assert f"- Cores: pinned to disjoint cores; server on cores {cores[0]}" in text
     assert "one freeze of 200 ms mid-level" in text and "### Host noise" in text and "| stage talker |" in text
+    assert "| stage talker: main |" in text  # the by-thread table
 
 
 @pytest.mark.integration
@@ -849,3 +852,15 @@ def test_the_freezer_stops_a_counting_child_and_always_lets_it_go(tmp_path):
     for wrong in ("20", "1000/20", "a/b"):
         with pytest.raises(ValueError):
             parse_noise(wrong)
+
+
+def test_the_threads_table_puts_the_costliest_at_the_largest_level_first():
+    rows = [{"conversations": 1, "host_share": {"threads_ms_per_frame": {"stub talker: talker": 1.0,
+                                                                         "tritonserver: unnamed": 0.5}}},
+            {"conversations": 64, "host_share": {"threads_ms_per_frame": {"tritonserver: unnamed": 0.7,
+                                                                          "stage speech: main": 0.3}}}]
+    table = report._threads_table(rows)
+    body = [line for line in table if line.startswith("| ") and "---" not in line][1:]
+    assert body == ["| tritonserver: unnamed | 0.5 | 0.7 |", "| stage speech: main | - | 0.3 |",
+                    "| stub talker: talker | 1.0 | - |"]
+    assert report._threads_table([{"conversations": 1}]) == []  # a server not on this host: no table

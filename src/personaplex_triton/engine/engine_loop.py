@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core import metrics as reasons
+from ..core.thread_names import name_os_threads
 from ..core.metrics import Metrics
 from ..core.trace import FrameTrace, PrefillRecord
 from .answers import finish
@@ -129,6 +130,7 @@ class EngineLoop(threading.Thread):
             # a stage in a process of its own that died while idle: the engine stops (run)
             self.stage.raise_if_dead()
             self.metrics.alive(True)
+            name_os_threads()  # those started since the last beat, for a per-thread read of the host's CPU
             behind = self._outbox.behind_s()
             self.metrics.sends_behind(behind)
             if behind > SENDS_BEHIND_LIMIT_S and now - self._last_behind_warning >= BEHIND_WARNING_S:

@@ -43,16 +43,41 @@ def _signal_all(pids: list[int], signum: int) -> None:
             pass
 
 
+class Hold:
+    """The processes' stop, shared by the freezers of one level: they stay stopped while any of
+    them freezes (a short periodic freeze that ends inside a long single one must not continue
+    the processes before the long one ends)."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = list(pids)
+        self._holders = 0
+        self._lock = threading.Lock()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._holders += 1
+            if self._holders == 1:
+                _signal_all(self.pids, signal.SIGSTOP)
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if self._holders == 0:
+                _signal_all(self.pids, signal.SIGCONT)
+
+
 class Freezer:
     """Context manager: a thread that stops `pids` (SIGSTOP) for `freeze_ms` every `period_ms`
     while in the block, the first freeze one period in; or, with `once_at_s`, a single freeze
-    that many seconds in. `freezes` holds each freeze's (start, end) wall-clock times. Leaving
-    the block always continues every process (SIGCONT), whatever happened."""
+    that many seconds in. `freezes` holds each freeze's (start, end) wall-clock times. Freezers
+    of the same processes share a `hold`. Leaving the block always continues every process
+    (SIGCONT) its freezes stopped, whatever happened."""
 
     def __init__(self, pids: list[int], freeze_ms: float, period_ms: float | None = None,
-                 once_at_s: float | None = None):
+                 once_at_s: float | None = None, hold: Hold | None = None):
         if (period_ms is None) == (once_at_s is None):
             raise ValueError("a Freezer freezes every period_ms or once_at_s, one of the two")
+        self.hold = hold or Hold(pids)
         self.pids, self.freeze_s = list(pids), freeze_ms / 1000
         self.period_s = None if period_ms is None else period_ms / 1000
         self.once_at_s = once_at_s
@@ -61,8 +86,8 @@ class Freezer:
         self._thread = threading.Thread(target=self._run, daemon=True, name="freezer")
 
     @classmethod
-    def once(cls, pids: list[int], freeze_ms: float, at_s: float) -> Freezer:
-        return cls(pids, freeze_ms, once_at_s=at_s)
+    def once(cls, pids: list[int], freeze_ms: float, at_s: float, hold: Hold | None = None) -> Freezer:
+        return cls(pids, freeze_ms, once_at_s=at_s, hold=hold)
 
     def __enter__(self) -> Freezer:
         self._began = time.monotonic()
@@ -85,11 +110,11 @@ class Freezer:
 
     def _freeze(self) -> None:
         start = time.time()
-        _signal_all(self.pids, signal.SIGSTOP)
+        self.hold.stop()
         try:
             self._stop.wait(self.freeze_s)  # leaving the block ends a freeze at once
         finally:
-            _signal_all(self.pids, signal.SIGCONT)
+            self.hold.release()
             self.freezes.append((start, time.time()))
 
 
@@ -135,8 +160,10 @@ class Noise:
             freezers = {}
             if self.burn_cores:
                 stack.enter_context(Burners(self.burn_cores, list(self.burn_cpus) if self.burn_cpus else None))
+            hold = Hold(pids)
             if self.every:
-                freezers["every"] = stack.enter_context(Freezer(pids, self.every[0], period_ms=self.every[1]))
+                freezers["every"] = stack.enter_context(Freezer(pids, self.every[0], period_ms=self.every[1],
+                                                                hold=hold))
             if self.freeze_once_ms:
-                freezers["once"] = stack.enter_context(Freezer.once(pids, self.freeze_once_ms, level_s / 2))
+                freezers["once"] = stack.enter_context(Freezer.once(pids, self.freeze_once_ms, level_s / 2, hold))
             yield freezers

@@ -799,7 +799,7 @@ def test_the_freezer_stops_a_counting_child_and_always_lets_it_go(tmp_path):
     import time
     from pathlib import Path
 
-    from bench.host_noise import Burners, Freezer, parse_noise
+    from bench.host_noise import Burners, Freezer, Hold, parse_noise
 
     count = tmp_path / "count"
     child = subprocess.Popen([sys.executable, "-c", "import os, pathlib, time\np = pathlib.Path(r'%s')\nn = 0\n"
@@ -824,6 +824,16 @@ def test_the_freezer_stops_a_counting_child_and_always_lets_it_go(tmp_path):
             assert counted() > held and _state(child.pid) != "T"
         [(start, end)] = freezer.freezes
         assert 0.78 < end - start < 1.2
+        # a short periodic freeze that ends inside a long single one leaves the processes stopped
+        hold = Hold([child.pid])
+        with Freezer([child.pid], 20, period_ms=100, hold=hold) as every, \
+                Freezer.once([child.pid], 400, at_s=0.1, hold=hold) as once:
+            time.sleep(0.36)  # between periodic freezes (0.1, 0.2, 0.3 s: 20 ms each), inside the single one
+            assert len(every.freezes) >= 1 and not once.freezes and _state(child.pid) == "T"
+            while not once.freezes:
+                time.sleep(0.02)
+            time.sleep(0.05)
+            assert _state(child.pid) != "T" or every.freezes[-1][1] < time.time() - 0.05
         began = time.monotonic()
         with Freezer([child.pid], 50, period_ms=100) as freezer:
             time.sleep(0.55)

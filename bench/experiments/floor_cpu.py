@@ -25,24 +25,14 @@ from personaplex_stream import stream_conversation
 from personaplex_triton.core import contract
 from personaplex_triton.serving.launch import TritonServer
 
-from .. import host_cpu, report, stats
+from .. import host_cpu, report, stats, steal
 from .crossings import FLOOR, FLOOR_REPOSITORY
-
-
-def steal_share(before: list[int], after: list[int]) -> float:
-    """The hypervisor's share of the host's CPU time between two reads of /proc/stat's cpu line."""
-    spent = [b - a for a, b in zip(before, after)]
-    return spent[7] / max(1, sum(spent))
-
-
-def cpu_line() -> list[int]:
-    return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
 
 
 def level(server: TritonServer, conversations: int, seconds: float) -> dict:
     audio = (0.1 * np.random.default_rng(conversations).standard_normal(
         int(seconds * contract.SAMPLE_RATE))).astype(np.float32)
-    before, host_before, own_before = host_cpu.snapshot(server.tritonserver_pid()), cpu_line(), time.process_time()
+    before, host_before, own_before = host_cpu.snapshot(server.tritonserver_pid()), steal.cpu_times(), time.process_time()
     with ThreadPoolExecutor(conversations) as pool:
         results = list(pool.map(lambda a: stream_conversation(a, server.grpc_url, FLOOR, realtime=True),
                                 [audio] * conversations))
@@ -52,7 +42,7 @@ def level(server: TritonServer, conversations: int, seconds: float) -> dict:
     summary = stats.frame_summary([ms for result in results for ms in result.latencies_ms])
     return {"conversations": conversations, "frames": frames, "p50": summary["p50"], "p99": summary["p99"],
             "cpu_ms_per_frame": {name: round(1e3 * s / frames, 3) for name, s in spent.items()},
-            "steal": round(steal_share(host_before, cpu_line()), 4)}
+            "steal_pct": round(steal.steal_percent(host_before, steal.cpu_times()), 2)}
 
 
 def write(result: dict, out: Path, stem: str) -> Path:
@@ -72,7 +62,7 @@ def write(result: dict, out: Path, stem: str) -> Path:
         server = sum(v for k, v in cpu.items() if k != "load generator")
         lines.append(f"| {row['conversations']} | {row['frames']} | {row['p50']:.1f} / {row['p99']:.1f} | "
                      + " | ".join(f"{cpu.get(role, 0):.3f}" for role in roles)
-                     + f" | {server:.3f} | {100 * row['steal']:.1f} |")
+                     + f" | {server:.3f} | {row['steal_pct']:.1f} |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     fig, ax = plt.subplots(figsize=(6, 3.5))

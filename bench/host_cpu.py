@@ -29,18 +29,23 @@ STAGE_ENTRY = "personaplex_triton.engine.stage_process import main"
 PIN_MIN_CORES = 4
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (field 3 on), None once the process is gone."""
+def _stat_fields(entry: Path) -> list[str] | None:
+    """The fields after the command name (field 3 on) of `entry`'s stat, a process's
+    (/proc/PID) or a thread's (/proc/PID/task/TID); None once it is gone."""
     try:
-        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return (entry / "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of every thread of `pid` so far (fields 14 and 15)."""
-    fields = _stat_fields(pid)
+def _cpu_seconds(entry: Path) -> float | None:
+    """User + system CPU seconds of a process (every thread of it) or a thread so far (fields 14 and 15)."""
+    fields = _stat_fields(entry)
     return None if fields is None else (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float | None:
+    return _cpu_seconds(PROC / str(pid))
 
 
 def argv_of(pid: int) -> list[str]:
@@ -54,7 +59,7 @@ def process_tree(root: int) -> list[int]:
     """`root` and every live descendant of it (one walk of /proc)."""
     children: dict[int, list[int]] = {}
     for entry in PROC.iterdir():
-        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None:
+        if entry.name.isdigit() and (fields := _stat_fields(entry)) is not None:
             children.setdefault(int(fields[1]), []).append(int(entry.name))
     tree, todo = [], [root]
     while todo:
@@ -115,13 +120,10 @@ def thread_snapshot(root: int) -> dict[tuple[int, int], tuple[str, float]]:
             continue
         for tid in tids:
             task = process / "task" / str(tid)
-            comm = _comm(task)
-            try:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            thread = comm if comm != own else ("main" if tid == pid else "unnamed")
-            found[(pid, tid)] = (f"{name}: {thread}", (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+            comm, seconds = _comm(task), _cpu_seconds(task)
+            if seconds is not None:
+                thread = comm if comm != own else ("main" if tid == pid else "unnamed")
+                found[(pid, tid)] = (f"{name}: {thread}", seconds)
     return found
 
 

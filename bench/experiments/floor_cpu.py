@@ -26,6 +26,7 @@ from personaplex_triton.core import contract
 from personaplex_triton.serving.launch import TritonServer
 
 from .. import host_cpu, report, stats, steal
+from ..loadgen import LOAD_GENERATOR
 from .crossings import FLOOR, FLOOR_REPOSITORY
 
 
@@ -37,7 +38,7 @@ def level(server: TritonServer, conversations: int, seconds: float) -> dict:
         results = list(pool.map(lambda a: stream_conversation(a, server.grpc_url, FLOOR, realtime=True),
                                 [audio] * conversations))
     spent = host_cpu.cpu_by_role(before, host_cpu.snapshot(server.tritonserver_pid()))
-    spent["load generator"] = time.process_time() - own_before
+    spent[LOAD_GENERATOR] = time.process_time() - own_before
     frames = sum(len(result.latencies_ms) for result in results)
     summary = stats.frame_summary([ms for result in results for ms in result.latencies_ms])
     return {"conversations": conversations, "frames": frames, "p50": summary["p50"], "p99": summary["p99"],
@@ -59,7 +60,7 @@ def write(result: dict, out: Path, stem: str) -> Path:
              "| ---: | ---: | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: |"]
     for row in levels:
         cpu = row["cpu_ms_per_frame"]
-        server = sum(v for k, v in cpu.items() if k != "load generator")
+        server = sum(v for k, v in cpu.items() if k != LOAD_GENERATOR)
         lines.append(f"| {row['conversations']} | {row['frames']} | {row['p50']:.1f} / {row['p99']:.1f} | "
                      + " | ".join(f"{cpu.get(role, 0):.3f}" for role in roles)
                      + f" | {server:.3f} | {row['steal_pct']:.1f} |")

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core import metrics as reasons
-from ..core.thread_names import name_os_threads
 from ..core.metrics import Metrics
+from ..core.thread_names import name_os_threads
 from ..core.trace import FrameTrace, PrefillRecord
 from .answers import finish
 from .conversations import Conversation, ConversationTable

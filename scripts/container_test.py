@@ -3,10 +3,10 @@
 A Docker engine (one answering already, or Debian's dockerd started here, on overlay2 where the
 kernel allows it, else vfs, with no bridge network, stopped again at the end), the Debian bookworm
 base made here (debootstrap, docker import) and deploy/cpu.Dockerfile's image, each built once and
-reused while its inputs are unchanged (their hash is the tag); then docker-compose.cpu.yml up, and from the host: one
-conversation through the gRPC client (personaplex-stream), one through the gateway's
-/v1/realtime, Triton's metrics, and the admin APIs refused without the key. Then compose down,
-and nothing of it may be left running.
+reused while its inputs are unchanged (their hash is the tag); then docker-compose.cpu.yml up, and
+from the host: one conversation through the gRPC client (personaplex-stream), one through the
+gateway's /v1/realtime, Triton's metrics, and the admin APIs refused without the key. Then compose
+down, and nothing of it may be left running.
 
     python scripts/container_test.py [--ports 18000,18001,18002,18080] [--keep-engine]
     python scripts/container_test.py --image-only     # the base and the image, tagged :latest

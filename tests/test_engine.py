@@ -389,6 +389,27 @@ def test_admission_by_the_live_answers_counts_a_frame_from_when_it_could_be_answ
             engine.shutdown()
 
 
+def test_admission_by_the_live_answers_leaves_out_a_newcomers_wait_for_its_prefill():
+    """Frames sent while their conversation's prefill runs wait for it, not for a busy server:
+    counted from its end, half a second of prefill refuses no one at a 100 ms limit."""
+    from personaplex_triton.engine.scheduler import LATENCY_MIN_FRAMES
+
+    stage = CountingStage(2, tick_s=0.01)
+    engine = SlotEngine(stage, admission_latency_s=0.1)
+    try:
+        engine.open(1, "held")
+        c = Collector()
+        engine.submit(1, list(range(LATENCY_MIN_FRAMES + 10)), c.on_output, c.on_done)
+        assert stage.holding.wait(5)
+        time.sleep(0.5)
+        stage.release.set()
+        c.wait()
+        assert c.errors == [None]
+        engine.open(2, None)
+    finally:
+        engine.shutdown()
+
+
 def test_a_tick_out_of_gpu_memory_keeps_the_live_conversations_and_refuses_newcomers():
     stage = FaultyStage(2)
     engine = SlotEngine(stage)

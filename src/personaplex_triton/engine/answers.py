@@ -94,11 +94,12 @@ class AnswerSender:
             return
         now = time.monotonic()
         self.metrics.frame_answered(now - request.received)
-        # From when the frame could be answered: its arrival, or its conversation's last answer
+        # From when the frame could be answered: its arrival; or its conversation's last answer
         # where frames came faster than real time (an offline client's window), which waited
-        # for their own conversation's earlier frames, not for the server.
-        self._on_answered(now - max(request.received, conv.last_answered))
-        conv.last_answered = now
+        # for their own conversation's earlier frames, not for the server; or the end of its
+        # conversation's prefill, which the live conversations did not wait for.
+        self._on_answered(now - max(request.received, conv.answerable_from))
+        conv.answerable_from = now
         if self.trace.enabled:
             span = answer.tick_span
             self.trace.frame(conv.key, answer.index, answer.queued, span.start, span.end, span.cpu, answer.rows,

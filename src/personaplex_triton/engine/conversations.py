@@ -88,7 +88,9 @@ class Conversation:
     answered: int = 0   # items answered so far, over all its requests
     submitted: int = 0  # items queued so far, over all its requests
     last_active: float = field(default_factory=time.monotonic)
-    last_answered: float = 0.0  # when its last frame's answer was sent (time.monotonic)
+    # The earliest its next frame could be answered (time.monotonic): its prefill's end, then its
+    # last answer's send (answers.py).
+    answerable_from: float = 0.0
     on_released: list = field(default_factory=list)  # on_done of an empty closing request, owed at release
     prefilling: bool = False  # its stage's prefill is under way, in chunks between ticks (engine_loop.py)
 

@@ -200,8 +200,10 @@ class EngineLoop(threading.Thread):
 
     def _finish_prefill(self, prefill: _Prefill, failed: dict[int, Exception]) -> None:
         with self._lock:
+            done = time.monotonic()
             for conv in prefill.conversations:
                 conv.prefilling = False
+                conv.answerable_from = done
             live = len(self._table.live())
         # The live conversations' frames waited for each chunk: the longest is what a prefill costs them.
         record = PrefillRecord(self.name, time.time(), len(prefill.conversations), time.perf_counter() - prefill.began,

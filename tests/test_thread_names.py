@@ -8,6 +8,7 @@ import pytest
 
 from bench import host_cpu
 from personaplex_triton.core.thread_names import COMM_BYTES, name_os_threads
+from polling import wait_for
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="no /proc on this system")
 
@@ -38,3 +39,25 @@ def test_a_python_thread_gets_its_name_in_the_os_and_its_cpu_is_read_by_it():
     [spinner] = [name for name in spent if name.endswith(": personaplex-spi")]
     assert spent[spinner] > 0.05  # it spun most of the 0.3 s (sharing the GIL with nobody busy)
     assert any(name.endswith(": main") for name in spent)
+
+
+def test_a_thread_started_outside_python_keeps_its_own_name():
+    """As Triton's stub's threads that call into Python: `threading` calls them "Dummy-N"."""
+    import _thread
+
+    seen, stop = [], threading.Event()
+
+    def foreign():
+        seen.append(threading.current_thread())  # makes its _DummyThread
+        stop.wait(5)
+
+    _thread.start_new_thread(foreign, ())
+    try:
+        assert wait_for(lambda: seen, every_s=0.01)
+        comm = Path(f"/proc/self/task/{seen[0].native_id}/comm")
+        before = comm.read_text()
+        assert seen[0].name.startswith("Dummy-")
+        name_os_threads()
+        assert comm.read_text() == before
+    finally:
+        stop.set()

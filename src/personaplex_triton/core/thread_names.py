@@ -20,10 +20,13 @@ _named: weakref.WeakSet = weakref.WeakSet()
 
 def name_os_threads() -> None:
     """Give each live Python thread of this process but the main one its Python name in the OS,
-    once. The main thread keeps the process's name (what `ps` shows). Elsewhere than Linux, or
-    where the kernel refuses, nothing happens."""
+    once. The main thread keeps the process's name (what `ps` shows), and so do threads started
+    outside Python (Triton's stub calls `execute` from its own): Python knows them as "Dummy-N",
+    which says less than the name they have. Elsewhere than Linux, or where the kernel refuses,
+    nothing happens."""
     for thread in threading.enumerate():
-        if thread in _named or thread is threading.main_thread() or thread.native_id is None:
+        if thread in _named or thread is threading.main_thread() or thread.native_id is None \
+                or isinstance(thread, threading._DummyThread):
             continue
         _named.add(thread)
         try:

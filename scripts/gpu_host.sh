@@ -12,7 +12,7 @@
 #   scripts/gpu_host.sh install PART...  # there: unpack build/gpu-bundle/PART.tar.xz (triton, packages, scipy, tools)
 #   scripts/gpu_host.sh checkpoint   # there: the 7B checkpoint with random bf16 weights (checkpoints/7b)
 #   scripts/gpu_host.sh test         # there, no server up: the GPU tests (they start their own servers)
-#   scripts/gpu_host.sh test-library # there, packages only: the library's GPU tests (tests/test_gpu.py)
+#   scripts/gpu_host.sh test-library # there, packages only: the library's GPU tests (test_gpu.py, test_fp8_weights.py)
 #   scripts/gpu_host.sh serve [--one-stub] [--set MODEL.KEY=VALUE ...]  # there: tritonserver in the
 #                                    # background, until ready (--set: on a copy of the model repository with
 #                                    # those parameters, e.g. --set talker.kv_dtype=float8_e4m3fn; --one-stub:
@@ -183,7 +183,8 @@ serve() {
     done
     echo "ready in $((SECONDS - started)) s; log $HOST/tritonserver.log"
     # what each stage took at load (core/metrics.py: pool, send threads, Mimi runtime, warm personas)
-    curl -s localhost:8002/metrics | grep -E "^personaplex_(conversation_slots|send_threads|mimi_runtime|kv_cache_dtype)" || true
+    python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8002/metrics", timeout=5).read().decode())' \
+        | grep -E "^personaplex_(conversation_slots|send_threads|mimi_runtime|kv_cache_dtype)" || true
 }
 
 gpu_tests() {
@@ -193,7 +194,7 @@ gpu_tests() {
     # Both files run whatever the first gives; the exit status is the worse of the two.
     local served=0 library=0
     python -m pytest -q -rs tests/test_gpu_server.py || served=$?
-    python -m pytest -q -rs tests/test_gpu.py || library=$?
+    python -m pytest -q -rs tests/test_gpu.py tests/test_fp8_weights.py || library=$?
     return $(( served > library ? served : library ))
 }
 
@@ -266,7 +267,7 @@ case "${1:-}" in
     install) shift; install "$@" ;;
     checkpoint) checkpoint ;;
     test) gpu_tests ;;
-    test-library) environment; python -m pytest -q -rs tests/test_gpu.py ;;
+    test-library) environment; python -m pytest -q -rs tests/test_gpu.py tests/test_fp8_weights.py ;;
     serve) shift; serve "$@" ;;
     bench) shift; bench "$@" ;;
     bench-long) shift; bench_long "$@" ;;

@@ -281,7 +281,10 @@ def test_scaled_mm_on_cuda_matches_the_emulation():
         emulated = fp8_weights.emulated_matmul(values, scale, layer.weight, layer.scale, torch.bfloat16)
         out = layer(x)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, 1024)
-        torch.testing.assert_close(out.reshape(rows, -1), emulated, rtol=2 ** -7, atol=1e-3)
+        # By norm: fast accumulation (scaled_matmul) keeps partial sums in about 14 bits, so an
+        # element near zero may differ by more than bf16's rounding; the whole, far less.
+        error = (out.reshape(rows, -1).float() - emulated.float()).norm() / emulated.float().norm()
+        assert error < 1e-2, f"{rows} rows: relative error {error:.2e}"
 
 
 @cuda

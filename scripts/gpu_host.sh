@@ -224,11 +224,14 @@ stop() {
     if [ -f "$HOST/tritonserver.pid" ]; then
         local group=-$(cat "$HOST/tritonserver.pid")
         kill -TERM -- "$group" 2>/dev/null || true
-        for _ in $(seq 30); do kill -0 -- "$group" 2>/dev/null || break; sleep 1; done
+        # The launcher drains and exits within its SHUTDOWN_BOUND_S (40 s; serving/launch.py).
+        for _ in $(seq 45); do kill -0 -- "$group" 2>/dev/null || break; sleep 1; done
         kill -KILL -- "$group" 2>/dev/null || true
         rm -f "$HOST/tritonserver.pid"
     fi
-    # A server that crashed leaves its Python-backend stubs behind, holding the GPU's memory.
+    # tritonserver runs in a process group of its own (the launcher's SIGTERM drains it), and a
+    # server that crashed leaves its Python-backend stubs behind, holding the GPU's memory.
+    pkill -KILL -f tritonserver/bin/tritonserver 2>/dev/null || true
     pkill -KILL -f triton_python_backend_stub 2>/dev/null || true
 }
 

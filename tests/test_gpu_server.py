@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.stats import is_capacity_refusal
 from personaplex_stream import Persona, ServerError, stream_conversation
 from personaplex_triton.core import audio, contract, metrics
 from personaplex_triton.core.paths import MODEL_REPOSITORY, REPO_ROOT
@@ -79,7 +80,7 @@ def stream_admitted(speech, url, persona):
         try:
             return stream_conversation(speech, url=url, persona=persona, realtime=True, check_ready=False)
         except ServerError as exc:
-            if "at capacity" not in str(exc) or time.monotonic() > deadline:
+            if not is_capacity_refusal(str(exc)) or time.monotonic() > deadline:
                 raise
             time.sleep(0.25)
 
